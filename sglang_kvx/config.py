@@ -1,0 +1,95 @@
+"""The ``--kvx-*`` flags as one validated, frozen config.
+
+Validation runs in the launcher before any model is loaded: it reads only the
+model's ``config.json`` to learn what the model can offer a policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_kvx.policies import ModelTraits, get_policy
+
+# Each flag: (dest, default, help). Kept as strings on the command line and
+# parsed here, so a bad value gets our one-line error rather than argparse's
+# usage dump of every SGLang flag.
+FLAGS: dict[str, tuple[str, str]] = {
+    "kvx_policy": ("none", "KV policy applied after a context's prefill ('none' = plain SGLang)."),
+    "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
+}
+
+
+class KvxConfigError(ValueError):
+    """A ``--kvx-*`` value that cannot be served; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class KvxConfig:
+    policy: str = "none"
+    keep_fraction: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return get_policy(self.policy).compacts
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sglang_kvx (KV compaction)")
+    for dest, (default, help_text) in FLAGS.items():
+        group.add_argument("--" + dest.replace("_", "-"), dest=dest, type=str, default=default, help=help_text)
+
+
+def parse_keep_fraction(raw: str | float) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise KvxConfigError(f"--kvx-keep-fraction must be a number in (0, 1], got {raw!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise KvxConfigError(f"--kvx-keep-fraction must be in (0, 1], got {value:g}")
+    return value
+
+
+def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
+    """What the model offers, from its ``config.json``; None when there is no local config to read."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    cfg = json.loads(config_file.read_text())
+    cfg = cfg.get("text_config", cfg)
+    layer_types = cfg.get("layer_types") or []
+    has_gdn = "linear_attention" in layer_types
+    n_layers = int(cfg.get("num_hidden_layers", 0))
+    n_attn = sum(t == "full_attention" for t in layer_types) if layer_types else n_layers
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "this model")])[0]
+    return ModelTraits(
+        architecture=arch,
+        num_attention_layers=n_attn,
+        num_kv_heads=int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0))),
+        has_gdn=has_gdn,
+        # Qwen3.5 / Qwen3-Next full-attention layers gate their output per head.
+        has_output_gate=has_gdn and cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next")),
+    )
+
+
+def build_config(policy: str = "none", keep_fraction: str | float = 1.0, model_path: str | None = None) -> KvxConfig:
+    """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
+    try:
+        policy_cls = get_policy(policy)
+    except ValueError as exc:
+        raise KvxConfigError(str(exc)) from None
+    config = KvxConfig(policy=policy, keep_fraction=parse_keep_fraction(keep_fraction))
+    traits = model_traits(model_path) if model_path else None
+    if traits is not None:
+        try:
+            policy_cls.check_model(traits)
+        except ValueError as exc:
+            raise KvxConfigError(str(exc)) from None
+    return config

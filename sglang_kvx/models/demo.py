@@ -1,0 +1,142 @@
+"""The embedded demo models: a tiny Qwen3.5-architecture hybrid and a tiny dense Llama.
+
+Both are real checkpoints (config.json, model.safetensors, tokenizer) in
+``weights/<name>/``, loadable by SGLang and by HF transformers alike. They are
+built from a seed here, so a fresh machine needs no download. A trained model
+replaces a random one by writing into the same folder; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from sglang_kvx.models.tokenizer import VOCAB_SIZE, build_tokenizer
+
+DEFAULT_MODEL = "tiny-hybrid"
+DEMO_MODELS = ("tiny-hybrid", "tiny-llama")
+
+# Large enough for the long-context benchmarks (4K+ contexts plus questions).
+MAX_POSITIONS = 32768
+
+
+def weights_root() -> Path:
+    """Where demo checkpoints live: ``$SGLANG_KVX_WEIGHTS`` or the repository's ``weights/``."""
+    env = os.environ.get("SGLANG_KVX_WEIGHTS")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "weights"
+
+
+def demo_model_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of a demo checkpoint; raises with the fix if it was not built yet."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"unknown demo model {name!r}; choose one of {', '.join(DEMO_MODELS)}")
+    path = weights_root() / name
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"demo model {name!r} not found at {path}; build it with `sglang-kvx build-demo`"
+        )
+    return path
+
+
+def _tokenizer_ids(tok_dir: Path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+
+
+def llama_config(ids: dict[str, int]):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        dtype="float32",
+        **ids,
+    )
+
+
+def hybrid_config(ids: dict[str, int]):
+    """Qwen3.5 text architecture: three Gated-DeltaNet layers, then one gated full-attention layer."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        dtype="float32",
+        **ids,
+    )
+
+
+def _long_memory_decay_(model: torch.nn.Module, seed: int) -> None:
+    """Give GDN heads a spread of half-lives (dt log-uniform in [1e-3, 0.1]).
+
+    transformers' default init wipes the recurrent state almost every token;
+    GateSight needs slow heads that remember, next to fast ones that forget.
+    """
+    gen = torch.Generator().manual_seed(seed + 1)
+    for module in model.modules():
+        if hasattr(module, "dt_bias") and hasattr(module, "A_log"):
+            n = module.dt_bias.numel()
+            dt = torch.exp(torch.rand(n, generator=gen) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3))) + torch.log(torch.tensor(1e-3)))
+            with torch.no_grad():
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+                module.A_log.copy_(torch.log(torch.empty(n).uniform_(1, 16, generator=gen)))
+
+
+def build_demo_model(name: str, out_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Build one demo checkpoint with random weights (deterministic in ``seed``)."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir) if out_dir else weights_root() / name
+    build_tokenizer(out, seed=seed)
+    ids = _tokenizer_ids(out)
+    config = {"tiny-llama": llama_config, "tiny-hybrid": hybrid_config}[name](ids)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if name == "tiny-hybrid":
+        _long_memory_decay_(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    meta = {"name": name, "seed": seed, "trained": False}
+    (out / "kvx_demo.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def ensure_demo_models(names: tuple[str, ...] = DEMO_MODELS) -> list[Path]:
+    """Build whichever demo checkpoints are missing; return their paths."""
+    paths = []
+    for name in names:
+        path = weights_root() / name
+        if not (path / "config.json").exists():
+            build_demo_model(name, path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,121 @@
+"""The SGLang integration layer: the ONLY module that touches SGLang internals.
+
+SGLang calls :func:`load` (entry point ``sglang.srt.plugins``) early in every
+process it starts: the launcher, the scheduler, the detokenizer. Everything
+here goes through SGLang's own extension points:
+
+- ``HookRegistry`` hooks on the argument parser (our ``--kvx-*`` flags) and on
+  ``ServerArgs.from_cli_args`` (validation before any model loads);
+- ``register_resolution_hook`` for a CPU-platform default;
+- ``register_linear_attn_backend``-style registration of the pure-torch GDN
+  backend (see ``_register_gdn_backend``);
+- an AFTER hook on ``Scheduler.get_internal_state`` that reports our stats
+  from SGLang's real pools, and a FastAPI route on SGLang's own app.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import sys
+from typing import Any
+
+from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config
+
+logger = logging.getLogger(__name__)
+
+# server_args carries the validated config to every process as bookkeeping
+# (an underscore attribute: ServerArgs pickles those along with its fields).
+CONFIG_ATTR = "_kvx_config"
+
+
+def load() -> None:
+    """Entry point of SGLang's ``sglang.srt.plugins`` group."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _after_get_internal_state, HookType.AFTER
+    )
+    _register_platform_defaults()
+    _register_gdn_backend()
+    if multiprocessing.parent_process() is None:
+        _register_http_routes()
+
+
+# --- flags -----------------------------------------------------------------
+
+
+def _after_add_cli_args(_result: Any, parser) -> None:
+    add_cli_args(parser)
+
+
+def _around_from_cli_args(original, cls, args, *rest, **kwargs):
+    server_args = original(cls, args, *rest, **kwargs)
+    try:
+        config = build_config(
+            policy=getattr(args, "kvx_policy", "none"),
+            keep_fraction=getattr(args, "kvx_keep_fraction", "1.0"),
+            model_path=getattr(args, "model_path", None),
+        )
+    except KvxConfigError as exc:
+        # One line, argparse-style, before anything heavy starts.
+        print(f"sglang-kvx: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    attach_config(server_args, config)
+    return server_args
+
+
+def attach_config(server_args, config: KvxConfig) -> None:
+    setattr(server_args, CONFIG_ATTR, config.to_dict())
+    if config.policy != "none":
+        logger.info("sglang_kvx: policy=%s keep_fraction=%g", config.policy, config.keep_fraction)
+
+
+def config_of(server_args) -> KvxConfig:
+    """The config a process was started with (``none`` when launched without our flags)."""
+    raw = getattr(server_args, CONFIG_ATTR, None)
+    return KvxConfig(**raw) if raw else KvxConfig()
+
+
+# --- CPU platform defaults -----------------------------------------------------
+
+
+def _register_platform_defaults() -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    @register_resolution_hook("handle_missing_default_values")
+    def _cpu_device_default(server_args, previous):
+        # SGLang's own default asks an out-of-tree platform for a torch.device
+        # and then splits it like a string; name the device first.
+        from sglang.srt.platforms import current_platform
+
+        from sglang_kvx.platform.cpu import KvxCpuPlatform
+
+        if isinstance(current_platform, KvxCpuPlatform) and resolving_view(server_args).device is None:
+            declare_resolution(server_args, "sglang_kvx:cpu_platform", device="cpu")
+        previous(server_args)
+
+
+def _register_gdn_backend() -> None:
+    pass
+
+
+# --- stats -----------------------------------------------------------------------
+
+
+def _after_get_internal_state(result, scheduler, *_args, **_kwargs):
+    from sglang_kvx.serve.stats import scheduler_stats
+
+    result.internal_state["kvx"] = scheduler_stats(scheduler, config_of(scheduler.server_args))
+    return result
+
+
+def _register_http_routes() -> None:
+    from sglang.srt.entrypoints import http_server
+
+    from sglang_kvx.serve.routes import add_routes
+
+    add_routes(http_server.app, http_server.get_global_state)

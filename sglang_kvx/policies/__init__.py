@@ -1,0 +1,19 @@
+"""KV policies: each decides which attention KV entries a compacted context keeps.
+
+A policy joins the registry with one line, ``@register_policy("name")`` on its
+class; the ``--kvx-policy`` flag accepts exactly the names registered here.
+"""
+
+from sglang_kvx.policies.base import (
+    POLICIES,
+    KVPolicy,
+    ModelTraits,
+    get_policy,
+    policy_names,
+    register_policy,
+)
+
+# Importing a policy module registers it.
+from sglang_kvx.policies import none  # noqa: F401,E402
+
+__all__ = ["POLICIES", "KVPolicy", "ModelTraits", "get_policy", "policy_names", "register_policy"]

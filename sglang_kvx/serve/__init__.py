@@ -1,0 +1,1 @@
+"""Serving: what the scheduler and the HTTP server expose about compacted contexts."""
