@@ -99,8 +99,42 @@ def _register_platform_defaults() -> None:
         previous(server_args)
 
 
+def _on_cpu_platform() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    from sglang_kvx.platform.cpu import KvxCpuPlatform
+
+    return isinstance(current_platform, KvxCpuPlatform)
+
+
+# Triton functions SGLang's model code calls outside any registry -> torch stand-ins.
+CPU_STANDINS = {
+    "sglang.kernels.ops.attention.triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat_contiguous": "split_qkvzba_contiguous",
+    "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward": "rms_norm_gated_forward",
+    "sglang.kernels.ops.elementwise.elementwise.fused_sigmoid_mul": "sigmoid_gate_mul",
+}
+
+
 def _register_gdn_backend() -> None:
-    pass
+    """On the CPU platform, serve GDN layers with our pure-torch backend.
+
+    SGLang has no registry for GDN kernels: its hybrid wrapper builds
+    ``gdn_backend.GDNAttnBackend`` by name, so we replace that one class, and
+    the few Triton functions in CPU_STANDINS, only when the CPU platform is
+    active. GPU machines keep SGLang's own kernels untouched.
+    """
+    if not _on_cpu_platform() or multiprocessing.parent_process() is None:
+        return  # model code runs only in scheduler subprocesses
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_kvx.models import cpu_standins
+    from sglang_kvx.models.gdn_backend import TorchGDNAttnBackend
+
+    HookRegistry.register(
+        "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend", TorchGDNAttnBackend, HookType.REPLACE
+    )
+    for target, name in CPU_STANDINS.items():
+        HookRegistry.register(target, getattr(cpu_standins, name), HookType.REPLACE)
 
 
 # --- stats -----------------------------------------------------------------------

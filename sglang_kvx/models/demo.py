@@ -21,6 +21,9 @@ DEMO_MODELS = ("tiny-hybrid", "tiny-llama")
 
 # Large enough for the long-context benchmarks (4K+ contexts plus questions).
 MAX_POSITIONS = 32768
+# Random demo weights are drawn wider than the usual 0.02 so that greedy
+# decoding is not degenerate: a test comparing tokens must be able to fail.
+INIT_STD = 0.1
 
 
 def weights_root() -> Path:
@@ -65,6 +68,7 @@ def llama_config(ids: dict[str, int]):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+        initializer_range=INIT_STD,
         dtype="float32",
         **ids,
     )
@@ -92,6 +96,7 @@ def hybrid_config(ids: dict[str, int]):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
+        initializer_range=INIT_STD,
         dtype="float32",
         **ids,
     )
@@ -126,6 +131,12 @@ def build_demo_model(name: str, out_dir: str | Path | None = None, seed: int = 0
     if name == "tiny-hybrid":
         _long_memory_decay_(model, seed)
     model.save_pretrained(out, safe_serialization=True)
+    if name == "tiny-hybrid":
+        # SGLang's Qwen3.5 config derives its layer pattern from this key.
+        config_file = out / "config.json"
+        saved = json.loads(config_file.read_text())
+        saved["full_attention_interval"] = 4
+        config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     meta = {"name": name, "seed": seed, "trained": False}
     (out / "kvx_demo.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -26,12 +26,23 @@ class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return "torch_native"
 
     def apply_server_args_defaults(self, server_args) -> None:
-        # SGLang's device default asks the platform for a torch.device and then
-        # treats it as a string; naming the device here keeps it a string.
-        if server_args.device is None:
-            server_args.device = "cpu"
+        # Defaults only: values the operator passed on the command line win.
         if server_args.sampling_backend is None:
             server_args.sampling_backend = "pytorch"
+        # CPU matmuls in float16 are emulated and slow; float32 is exact and fast here.
+        if server_args.dtype == "auto":
+            server_args.dtype = "float32"
+        # Mamba/GDN state snapshots inside the radix cache ("extra_buffer") need
+        # device kernels; "no_buffer" caches GDN states at request boundaries.
+        if server_args.mamba_radix_cache_strategy == "auto":
+            server_args.mamba_radix_cache_strategy = "no_buffer"
+        # SGLang sizes the GDN state pool from free memory: on a 24 GiB machine
+        # that is ~140K slots, 7 GB and 20 s of start-up for a tiny model.
+        if server_args.max_mamba_cache_size is None:
+            server_args.max_mamba_cache_size = 256
+        # The overlap scheduler hides GPU latency behind CPU scheduling; with the
+        # CPU doing both, it only adds a thread. It also breaks hybrid models here.
+        server_args.disable_overlap_schedule = True
 
     def is_pin_memory_available(self, device=None) -> bool:
         return False
