@@ -1,0 +1,47 @@
+"""``sglang-kvx``: the demo, a thin wrapper over SGLang's launcher, and weight building.
+
+    sglang-kvx demo [...]           the main job on the embedded default model
+    sglang-kvx serve [SGLang flags]  python -m sglang.launch_server with the demo model and CPU-safe defaults
+    sglang-kvx build-demo            (re)build the random-weight demo checkpoints in weights/
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _serve(argv: list[str]) -> int:
+    from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
+
+    if "--model-path" not in argv and not any(a.startswith("--model-path=") for a in argv):
+        ensure_demo_models()
+        argv = ["--model-path", str(weights_root() / DEFAULT_MODEL), *argv]
+    if "--max-total-tokens" not in argv:
+        argv = [*argv, "--max-total-tokens", "16384"]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *argv])
+    return 0  # not reached
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv else "help"
+    if command == "demo":
+        from sglang_kvx.demo import main as demo_main
+
+        return demo_main(argv)
+    if command == "serve":
+        return _serve(argv)
+    if command == "build-demo":
+        from sglang_kvx.models.demo import DEMO_MODELS, build_demo_model
+
+        for name in DEMO_MODELS:
+            print(build_demo_model(name))
+        return 0
+    print(__doc__.strip())
+    return 0 if command in ("help", "-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

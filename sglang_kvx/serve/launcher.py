@@ -1,0 +1,129 @@
+"""Start and stop a real SGLang server process (``python -m sglang.launch_server``) on loopback.
+
+Used by the demo, the tests and the benchmarks, so all three run the same
+launcher a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # GDN prefill on two threads hits a denormal slow path (0.2 s -> 17 s); one thread is stable.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+class ServerProcess:
+    """One SGLang server; ``with ServerProcess(...) as server:`` starts it and always stops it."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *args: str,
+        max_total_tokens: int = 8192,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.port = port or free_port()
+        self.args = list(args)
+        if "--max-total-tokens" not in self.args:
+            self.args += ["--max-total-tokens", str(max_total_tokens)]
+        self.env = server_env(env)
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang-kvx-", suffix=".log")[1])
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            *self.args,
+        ]
+
+    def start(self) -> "ServerProcess":
+        t0 = time.perf_counter()
+        self._log = open(self.log_path, "w")
+        # Own process group: stopping the server stops its scheduler and detokenizer too.
+        self.proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = t0 + self.startup_timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    self.startup_seconds = time.perf_counter() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"SGLang server not ready after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if getattr(self, "_log", None) is not None and not self._log.closed:
+            self._log.close()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- small client helpers -------------------------------------------------
+
+    def generate(self, payload: dict, timeout: float = 300.0) -> requests.Response:
+        return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def stats(self) -> dict:
+        response = requests.get(self.url + "/kvx/stats", timeout=30)
+        response.raise_for_status()
+        return response.json()
