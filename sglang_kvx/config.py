@@ -86,6 +86,9 @@ def build_config(policy: str = "none", keep_fraction: str | float = 1.0, model_p
     except ValueError as exc:
         raise KvxConfigError(str(exc)) from None
     config = KvxConfig(policy=policy, keep_fraction=parse_keep_fraction(keep_fraction))
+    if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
+        # A hub id cannot look like this; say so before SGLang asks the hub about it.
+        raise KvxConfigError(f"--model-path {model_path} does not exist")
     traits = model_traits(model_path) if model_path else None
     if traits is not None:
         try:

@@ -59,6 +59,19 @@ def test_prompt_logprobs_match_hf(served):
     assert worst <= 1e-4, f"{name}: max |logprob diff| = {worst:.2e}"
 
 
+def test_decode_logprobs_match_hf(served):
+    """Each decoded token's log-probability equals HF's full recomputation of the same sequence to 1e-4
+    (decode reads the KV cache and, for the hybrid, the GDN conv and recurrent states)."""
+    name, server, ref = served
+    prompt = ref.encode(make_text(120, seed=8))
+    body = generate_ids(server, prompt, max_new_tokens=16, return_logprob=True)
+    out = body["output_ids"]
+    served_lp = [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+    expected = ref.prompt_logprobs(prompt + out)[len(prompt) - 1 :]
+    worst = max(abs(a - b) for a, b in zip(served_lp, expected))
+    assert worst <= 1e-4, f"{name}: max |logprob diff| over decode = {worst:.2e}"
+
+
 def test_chat_completions_match_hf(served):
     name, server, ref = served
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": make_text(40, seed=11)}]

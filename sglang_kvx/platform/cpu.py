@@ -9,6 +9,7 @@ pure-torch backend (``sglang_kvx.models.gdn_backend``).
 from __future__ import annotations
 
 import logging
+import os
 
 from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
@@ -36,6 +37,11 @@ class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
         # device kernels; "no_buffer" caches GDN states at request boundaries.
         if server_args.mamba_radix_cache_strategy == "auto":
             server_args.mamba_radix_cache_strategy = "no_buffer"
+        # GDN conv states default to bfloat16 (an env var, read in the scheduler
+        # process, which inherits ours): with float32 weights that alone puts
+        # decode 1e-2 off in log-probability. Match the model dtype instead.
+        if server_args.dtype == "float32":
+            os.environ.setdefault("SGLANG_MAMBA_CONV_DTYPE", "float32")
         # SGLang sizes the GDN state pool from free memory: on a 24 GiB machine
         # that is ~140K slots, 7 GB and 20 s of start-up for a tiny model.
         if server_args.max_mamba_cache_size is None:

@@ -1,0 +1,62 @@
+"""Flag validation and the policy registry (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_kvx.config import KvxConfigError, build_config, model_traits
+from sglang_kvx.policies import POLICIES, KVPolicy, policy_names, register_policy
+
+
+def test_defaults_are_plain_sglang():
+    config = build_config()
+    assert config.policy == "none" and config.keep_fraction == 1.0
+    assert not config.enabled
+
+
+@pytest.mark.parametrize("raw", ["0", "0.0", "-0.5", "1.5", "nan", "abc", ""])
+def test_keep_fraction_outside_unit_interval_is_refused(raw):
+    with pytest.raises(KvxConfigError, match=r"\(0, 1\]"):
+        build_config("none", raw)
+
+
+@pytest.mark.parametrize("raw,value", [("1", 1.0), ("0.1", 0.1), ("1e-3", 0.001)])
+def test_keep_fraction_accepts_the_unit_interval(raw, value):
+    assert build_config("none", raw).keep_fraction == value
+
+
+def test_unknown_policy_names_the_valid_choices():
+    with pytest.raises(KvxConfigError) as err:
+        build_config("snapkvv")
+    message = str(err.value)
+    assert "snapkvv" in message and "valid choices" in message
+    for name in policy_names():
+        assert name in message
+    assert "\n" not in message
+
+
+def test_model_traits_from_config(demo_paths):
+    hybrid = model_traits(demo_paths["tiny-hybrid"])
+    dense = model_traits(demo_paths["tiny-llama"])
+    assert hybrid.has_gdn and hybrid.has_output_gate and hybrid.num_attention_layers == 1
+    assert not dense.has_gdn and not dense.has_output_gate and dense.num_attention_layers == 4
+    assert hybrid.num_kv_heads == dense.num_kv_heads == 2
+    assert model_traits("/nonexistent/model") is None
+
+
+def test_policy_the_model_cannot_serve_is_refused(demo_paths):
+    @register_policy("_test_needs_gdn")
+    class NeedsGDN(KVPolicy):
+        needs = frozenset({"gdn"})
+
+    try:
+        build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid"])  # hybrid has GDN signals
+        with pytest.raises(KvxConfigError, match="needs gdn.*LlamaForCausalLM"):
+            build_config("_test_needs_gdn", 0.5, demo_paths["tiny-llama"])
+    finally:
+        POLICIES.pop("_test_needs_gdn")
+
+
+def test_registering_a_name_twice_fails():
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("none")(type("Dup", (KVPolicy,), {}))
