@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up .venv with sglang_kvx and everything it needs (idempotent; re-runs only when pyproject.toml changes).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $("$PYTHON" --version)"
+  "$PYTHON" -m venv .venv
+fi
+
+stamp=.venv/.kvx-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[setup] installing sglang_kvx and its dependencies (sglang 0.5.23, torch, transformers; a few minutes the first time)"
+  .venv/bin/python -m pip install --quiet -e ".[test]"
+  echo "$want" > "$stamp"
+fi
+
+# The embedded demo checkpoints ship in weights/; rebuild any that are missing.
+.venv/bin/python -c "from sglang_kvx.models.demo import ensure_demo_models; ensure_demo_models()"
+echo "[setup] ready: $(.venv/bin/python -c 'import sglang, sglang_kvx; print("sglang", sglang.__version__)')"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite (real SGLang servers on loopback; a few minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests
