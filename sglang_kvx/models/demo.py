@@ -17,7 +17,8 @@ import torch
 from sglang_kvx.models.tokenizer import VOCAB_SIZE, build_tokenizer
 
 DEFAULT_MODEL = "tiny-hybrid"
-DEMO_MODELS = ("tiny-hybrid", "tiny-llama")
+DEMO_MODELS = ("tiny-hybrid", "tiny-llama")  # shipped in weights/
+EXTRA_MODELS = ("tiny-qwen3",)  # built on demand (tests: a second dense architecture)
 
 # Large enough for the long-context benchmarks (4K+ contexts plus questions).
 MAX_POSITIONS = 32768
@@ -61,6 +62,28 @@ def llama_config(ids: dict[str, int]):
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        dtype="float32",
+        **ids,
+    )
+
+
+def qwen3_config(ids: dict[str, int]):
+    """Dense Qwen3: per-head q/k RMSNorm before RoPE."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -125,7 +148,10 @@ def build_demo_model(name: str, out_dir: str | Path | None = None, seed: int = 0
     out = Path(out_dir) if out_dir else weights_root() / name
     build_tokenizer(out, seed=seed)
     ids = _tokenizer_ids(out)
-    config = {"tiny-llama": llama_config, "tiny-hybrid": hybrid_config}[name](ids)
+    builders = {"tiny-llama": llama_config, "tiny-hybrid": hybrid_config, "tiny-qwen3": qwen3_config}
+    if name not in builders:
+        raise ValueError(f"unknown demo model {name!r}; choose one of {', '.join(builders)}")
+    config = builders[name](ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if name == "tiny-hybrid":
