@@ -18,6 +18,34 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+ORACLE_ATTENTION = "kvx_compacted_oracle"
+
+
+def _compacted_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention over [compacted prefix ; new tokens], ignoring the model's own mask.
+
+    After compaction the cache holds K_l prefix entries per layer while positions
+    continue from the true context length, so the usual mask (built from
+    positions) does not fit. Query i of q new tokens sees every prefix entry and
+    the new tokens up to itself: key j is visible iff j < Lk - q + i + 1.
+    """
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    q_len, k_len = query.shape[2], key.shape[2]
+    scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
+    visible = torch.arange(k_len)[None, :] < (k_len - q_len + 1 + torch.arange(q_len))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_oracle_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ORACLE_ATTENTION, _compacted_attention)
+
+
 class HFReference:
     def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32) -> None:
         self.model_path = str(model_path)
@@ -69,3 +97,52 @@ class HFReference:
         """log p(token_t | tokens_<t) for t >= 1, as SGLang's input_token_logprobs reports them."""
         logp = torch.log_softmax(self.logits(input_ids), dim=-1)
         return [float(logp[t - 1, input_ids[t]]) for t in range(1, len(input_ids))]
+
+    # --- compaction oracle -------------------------------------------------------
+
+    @cached_property
+    def attention_layer_ids(self) -> list[int]:
+        """Model layer index of each full-attention layer, in order."""
+        types = getattr(self.model.config, "layer_types", None)
+        if types:
+            return [i for i, t in enumerate(types) if t == "full_attention"]
+        return list(range(self.model.config.num_hidden_layers))
+
+    @torch.no_grad()
+    def compacted_greedy(
+        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int
+    ) -> list[int]:
+        """Prefill the context, keep per attention layer and KV head only the positions in ``keep``
+        (keep[l]: LongTensor [kv_heads, K_l]), then answer the question greedily from that cache.
+
+        GDN states are left as the full prefill produced them; later tokens keep their true positions.
+        """
+        if len(keep) != len(self.attention_layer_ids):
+            raise ValueError(f"keep has {len(keep)} layers, the model has {len(self.attention_layer_ids)} attention layers")
+        model = self.model
+        out = model(torch.tensor([context_ids]), use_cache=True)
+        cache = out.past_key_values
+        for positions, layer_id in zip(keep, self.attention_layer_ids):
+            layer = cache.layers[layer_id]
+            index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        _register_oracle_attention()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ORACLE_ATTENTION)
+        try:
+            n = len(context_ids)
+            generated: list[int] = []
+            step_ids = list(question_ids)
+            position = n
+            for _ in range(max_new_tokens):
+                ids = torch.tensor([step_ids])
+                positions = torch.arange(position, position + len(step_ids))[None]
+                logits = model(ids, position_ids=positions, cache_position=positions[0], past_key_values=cache, use_cache=True).logits
+                token = int(logits[0, -1].argmax())
+                generated.append(token)
+                position += len(step_ids)
+                step_ids = [token]
+            return generated
+        finally:
+            model.set_attn_implementation(previous)
