@@ -13,7 +13,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_kvx.policies import ModelTraits, get_policy
+from sglang_kvx.policies import ModelTraits, get_policy, policy_names
+
+# Policies the server can apply today. The scoring, allocation and selection of
+# every registered policy run offline (sglang_kvx.select.choose_keep_set, the HF
+# oracle); physical compaction inside SGLang is not integrated yet, so the
+# launcher refuses compacting policies rather than accept them and do nothing.
+SERVABLE_POLICIES: frozenset[str] = frozenset({"none"})
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
 # parsed here, so a bad value gets our one-line error rather than argparse's
@@ -81,10 +87,14 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
 
 def build_config(policy: str = "none", keep_fraction: str | float = 1.0, model_path: str | None = None) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
-    try:
-        policy_cls = get_policy(policy)
-    except ValueError as exc:
-        raise KvxConfigError(str(exc)) from None
+    servable = ", ".join(sorted(SERVABLE_POLICIES))
+    if policy not in policy_names():
+        raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {servable}")
+    if policy not in SERVABLE_POLICIES:
+        raise KvxConfigError(
+            f"--kvx-policy {policy} scores offline but the server cannot compact yet; valid choices: {servable}"
+        )
+    policy_cls = get_policy(policy)
     config = KvxConfig(policy=policy, keep_fraction=parse_keep_fraction(keep_fraction))
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.

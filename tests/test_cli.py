@@ -25,6 +25,7 @@ def our_error_lines(stderr: str) -> list[str]:
     "flags,expected",
     [
         (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: none"),
+        (("--kvx-policy", "snapkv"), "--kvx-policy snapkv scores offline but the server cannot compact yet; valid choices: none"),
         (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be in (0, 1], got 0"),
         (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kvx.config import KvxConfigError, build_config, model_traits
+from sglang_kvx.config import SERVABLE_POLICIES, KvxConfigError, build_config, model_traits
 from sglang_kvx.policies import POLICIES, KVPolicy, policy_names, register_policy
 
 
@@ -29,10 +29,14 @@ def test_unknown_policy_names_the_valid_choices():
     with pytest.raises(KvxConfigError) as err:
         build_config("snapkvv")
     message = str(err.value)
-    assert "snapkvv" in message and "valid choices" in message
-    for name in policy_names():
-        assert name in message
-    assert "\n" not in message
+    assert message == "unknown --kvx-policy 'snapkvv'; valid choices: none"
+
+
+@pytest.mark.parametrize("name", [n for n in policy_names() if n not in SERVABLE_POLICIES])
+def test_registered_but_unserved_policy_is_refused_not_ignored(name):
+    # Accepting a compacting policy the server cannot apply would silently serve the full cache.
+    with pytest.raises(KvxConfigError, match=f"--kvx-policy {name} scores offline but the server cannot compact yet"):
+        build_config(name, 0.5)
 
 
 def test_model_traits_from_config(demo_paths):
@@ -44,17 +48,18 @@ def test_model_traits_from_config(demo_paths):
     assert model_traits("/nonexistent/model") is None
 
 
-def test_policy_the_model_cannot_serve_is_refused(demo_paths):
-    @register_policy("_test_needs_gdn")
+def test_policy_the_model_cannot_serve_is_refused(demo_paths, monkeypatch):
+    import sglang_kvx.config as config_module
+
     class NeedsGDN(KVPolicy):
+        name = "_test_needs_gdn"
         needs = frozenset({"gdn"})
 
-    try:
-        build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid"])  # hybrid has GDN signals
-        with pytest.raises(KvxConfigError, match="needs gdn.*LlamaForCausalLM"):
-            build_config("_test_needs_gdn", 0.5, demo_paths["tiny-llama"])
-    finally:
-        POLICIES.pop("_test_needs_gdn")
+    monkeypatch.setitem(POLICIES, NeedsGDN.name, NeedsGDN)  # registered for this test only
+    monkeypatch.setattr(config_module, "SERVABLE_POLICIES", SERVABLE_POLICIES | {"_test_needs_gdn"})
+    build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid"])  # the hybrid has GDN signals
+    with pytest.raises(KvxConfigError, match="needs gdn.*LlamaForCausalLM"):
+        build_config("_test_needs_gdn", 0.5, demo_paths["tiny-llama"])
 
 
 def test_registering_a_name_twice_fails():

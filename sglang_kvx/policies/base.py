@@ -1,9 +1,19 @@
-"""The policy interface and its registry (a small factory, like SGLang's backend registries)."""
+"""The policy interface and its registry (a small factory, like SGLang's backend registries).
+
+A policy turns one prefilled context's signals into a utility per (attention layer, KV head,
+entry): ``score(signals, layer) -> [num_kv_heads, n]``, higher = keep. How many entries each
+layer keeps is the allocation's job (``sglang_kvx.allocate``, named by ``allocation``), which
+entries the selection's (``sglang_kvx.select``: per head top-K plus the protected prefix).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from sglang_kvx.signals import ContextSignals
 
 
 @dataclass(frozen=True)
@@ -27,12 +37,34 @@ class ModelTraits:
 
 
 class KVPolicy:
-    """Base class. ``needs`` names the signals a policy reads; a model lacking one is refused."""
+    """Base class. ``needs`` names the signals a policy reads; a model lacking one is refused.
+
+    Subclasses take their options as keyword arguments with their paper's defaults
+    (``get_policy("snapkv")(window_size=32)``). Policies that need an extra model pass
+    (KVzip's reconstruction, TriAttention's statistics) fit the same shape: the producer
+    adds their signal to ``ContextSignals`` and its name to ``ModelTraits.signals``, and
+    ``score`` still maps (signals, layer) to [num_kv_heads, n].
+    """
 
     name: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
     # False only for ``none``: the server then behaves exactly as plain SGLang.
     compacts: ClassVar[bool] = True
+    # The layer-budget rule used unless the caller picks another (a name in sglang_kvx.allocate).
+    allocation: ClassVar[str] = "flat"
+
+    @property
+    def allocation_options(self) -> dict[str, Any]:
+        """Keyword options this policy passes to its allocation (PyramidKV's beta)."""
+        return {}
+
+    def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
+        """Utility of every entry of attention layer ``layer``: float [num_kv_heads, n], higher = keep.
+
+        ``budget`` is how many entries beyond the protected prefix this layer will keep; selection
+        passes it, and only a policy whose ranking depends on it (H2O's recent half) reads it.
+        """
+        raise NotImplementedError(f"KV policy {self.name!r} does not score entries")
 
     @classmethod
     def check_model(cls, traits: ModelTraits) -> None:
@@ -69,3 +101,29 @@ def get_policy(name: str) -> type[KVPolicy]:
         raise ValueError(
             f"unknown --kvx-policy {name!r}; valid choices: {', '.join(policy_names())}"
         ) from None
+
+
+# Helpers shared by the policy files.
+
+
+def check_layer(signals: ContextSignals, layer: int) -> None:
+    if not 0 <= layer < signals.num_layers:
+        raise ValueError(f"attention layer {layer} out of range: the context has {signals.num_layers} attention layers")
+
+
+def layer_signal(signals: ContextSignals, field_name: str, layer: int, policy: str) -> torch.Tensor:
+    """``signals.<field_name>[layer]``, or a clear error naming what the producer left out."""
+    check_layer(signals, layer)
+    per_layer = getattr(signals, field_name)
+    if per_layer is None:
+        raise ValueError(f"KV policy {policy!r} needs ContextSignals.{field_name}, which this prefill did not produce")
+    return per_layer[layer]
+
+
+def sum_over_kv_groups(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[q_heads, ...] -> [kv_heads, ...]: sum the query heads sharing each KV head (query head h reads KV head h // group)."""
+    num_q_heads = per_query_head.shape[0]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
+    group_size = num_q_heads // num_kv_heads
+    return per_query_head.reshape(num_kv_heads, group_size, *per_query_head.shape[1:]).sum(dim=1)

@@ -1,0 +1,19 @@
+"""Allocation: how many entries each attention layer keeps (beyond the protected prefix).
+
+``layer_budgets("flat", keep_fraction, num_budgeted, num_layers, signals)`` -> list[int].
+An allocation joins the registry with ``@register_allocation("name")`` on its function.
+"""
+
+from sglang_kvx.allocate.base import (
+    ALLOCATIONS,
+    allocation_names,
+    flat_budget,
+    get_allocation,
+    layer_budgets,
+    register_allocation,
+)
+
+# Importing an allocation module registers it.
+from sglang_kvx.allocate import flat, gate, pyramid  # noqa: F401,E402
+
+__all__ = ["ALLOCATIONS", "allocation_names", "flat_budget", "get_allocation", "layer_budgets", "register_allocation"]

@@ -1,0 +1,105 @@
+"""The allocation registry and the arithmetic every allocation shares.
+
+An allocation decides how many entries each attention layer keeps beyond the protected prefix:
+    fn(keep_fraction, num_budgeted, num_layers, signals=None, **options) -> list[int]
+where num_budgeted (m) is a layer's entries outside the protected prefix (n - protected_prefix_len),
+the same in every layer of one context. Every allocation here spends the flat total,
+num_layers * round(keep_fraction * m), and gives no layer more than m.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from sglang_kvx.signals import ContextSignals
+
+Allocation = Callable[..., list[int]]
+
+ALLOCATIONS: dict[str, Allocation] = {}
+
+
+def register_allocation(name: str) -> Callable[[Allocation], Allocation]:
+    def decorator(fn: Allocation) -> Allocation:
+        if name in ALLOCATIONS:
+            raise ValueError(f"allocation {name!r} is already registered")
+        ALLOCATIONS[name] = fn
+        return fn
+
+    return decorator
+
+
+def allocation_names() -> list[str]:
+    return sorted(ALLOCATIONS)
+
+
+def get_allocation(name: str) -> Allocation:
+    try:
+        return ALLOCATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown allocation {name!r}; valid choices: {', '.join(allocation_names())}") from None
+
+
+def layer_budgets(
+    allocation: str,
+    keep_fraction: float,
+    num_budgeted: int,
+    num_layers: int,
+    signals: ContextSignals | None = None,
+    **options: Any,
+) -> list[int]:
+    """Per attention layer, how many entries it keeps beyond the protected prefix (validated)."""
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+    if num_budgeted < 0:
+        raise ValueError(f"num_budgeted must be >= 0, got {num_budgeted}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    budgets = get_allocation(allocation)(keep_fraction, num_budgeted, num_layers, signals, **options)
+    if len(budgets) != num_layers or any(not 0 <= b <= num_budgeted for b in budgets):
+        raise AssertionError(f"allocation {allocation!r} returned {budgets} for {num_layers} layers of {num_budgeted} entries")
+    return [int(b) for b in budgets]
+
+
+def flat_budget(keep_fraction: float, num_budgeted: int) -> int:
+    """round(p * m), halves rounded up (Python's round() would send 2.5 to 2)."""
+    return math.floor(keep_fraction * num_budgeted + 0.5)
+
+
+def round_to_total(real_budgets: list[float], total: int, cap: int) -> list[int]:
+    """Integers within 1 of each real budget, summing exactly to ``total`` (largest remainder).
+
+    Reals are clipped to [0, cap] first. Ties in the remainder go to the earlier layer, so a
+    non-increasing sequence of reals stays non-increasing after rounding.
+    """
+    clipped = [min(max(b, 0.0), float(cap)) for b in real_budgets]
+    floors = [math.floor(b) for b in clipped]
+    leftover = total - sum(floors)
+    by_remainder = sorted(range(len(clipped)), key=lambda i: -(clipped[i] - floors[i]))  # stable
+    for i in by_remainder:
+        if leftover <= 0:
+            break
+        if floors[i] < cap:
+            floors[i] += 1
+            leftover -= 1
+    return floors
+
+
+def proportional_with_cap(weights: list[float], total: float, cap: float) -> list[float]:
+    """Split ``total`` in proportion to ``weights``, no share above ``cap``; the excess of a capped
+    share is re-split among the others (water filling). Zero total weight splits evenly."""
+    shares = [0.0] * len(weights)
+    free = list(range(len(weights)))
+    remaining = float(total)
+    while free:
+        weight_sum = sum(weights[i] for i in free)
+        for i in free:
+            shares[i] = remaining * weights[i] / weight_sum if weight_sum > 0 else remaining / len(free)
+        over = [i for i in free if shares[i] > cap]
+        if not over:
+            break
+        for i in over:
+            shares[i] = float(cap)
+            free.remove(i)
+            remaining -= cap
+    return shares

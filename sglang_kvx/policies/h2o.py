@@ -1,0 +1,41 @@
+"""``h2o``: heavy hitters (most accumulated attention) plus the most recent tokens.
+
+Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models" (NeurIPS 2023, arXiv:2306.14048). An entry's accumulated attention is the sum, over
+every context query, of the softmax weight it gets (ContextSignals.attention_column_sums),
+summed here over the query heads sharing its KV head. The budget is split evenly between the
+heavy hitters and a window of recent tokens (the paper's 10% + 10% at a 20% cache).
+
+The split lives in the score: given the layer's budget K, the last int(recent_ratio * K)
+positions score +inf and the rest score their accumulated attention, so top-K selection keeps
+exactly the recent window plus the best of the others. Without a budget (a bare score call)
+the score is the accumulated attention alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy, sum_over_kv_groups
+from sglang_kvx.signals import ContextSignals
+
+
+@register_policy("h2o")
+class H2OPolicy(KVPolicy):
+    needs = frozenset({"attention"})
+
+    def __init__(self, *, recent_ratio: float = 0.5) -> None:
+        if not 0.0 <= recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
+        self.recent_ratio = recent_ratio
+
+    def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
+        column_sums = layer_signal(signals, "attention_column_sums", layer, self.name)  # [q_heads, n]
+        accumulated = sum_over_kv_groups(column_sums.float(), signals.num_kv_heads)
+        if budget is None:
+            return accumulated
+        num_recent = min(int(self.recent_ratio * budget), signals.n)
+        scores = accumulated.clone()
+        if num_recent > 0:
+            scores[:, signals.n - num_recent :] = float("inf")
+        return scores

@@ -1,0 +1,22 @@
+"""``knorm``: keep the keys with the LOWEST L2 norm.
+
+Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
+(EMNLP 2024, arXiv:2406.11430): a low key norm goes with high attention, so the score is
+-||k||_2, needing neither queries nor attention weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy
+from sglang_kvx.signals import ContextSignals
+
+
+@register_policy("knorm")
+class KNormPolicy(KVPolicy):
+    needs = frozenset({"keys"})
+
+    def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
+        keys = layer_signal(signals, "keys", layer, self.name)  # [kv_heads, n, head_dim]
+        return -keys.float().norm(dim=-1)
