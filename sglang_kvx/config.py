@@ -15,11 +15,11 @@ from typing import Any
 
 from sglang_kvx.policies import ModelTraits, get_policy, policy_names
 
-# Policies the server can apply today. The scoring, allocation and selection of
-# every registered policy run offline (sglang_kvx.select.choose_keep_set, the HF
-# oracle); physical compaction inside SGLang is not integrated yet, so the
-# launcher refuses compacting policies rather than accept them and do nothing.
-SERVABLE_POLICIES: frozenset[str] = frozenset({"none"})
+# Policies the server can apply today: those whose signals SGLang's pool holds
+# (keys, values). The others score offline (sglang_kvx.select.choose_keep_set,
+# the HF oracle) until the served producer captures their signals; the launcher
+# refuses them rather than accept them and do nothing.
+SERVABLE_POLICIES: frozenset[str] = frozenset({"none", "random", "knorm", "streamingllm", "keydiff"})
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
 # parsed here, so a bad value gets our one-line error rather than argparse's
@@ -27,6 +27,7 @@ SERVABLE_POLICIES: frozenset[str] = frozenset({"none"})
 FLAGS: dict[str, tuple[str, str]] = {
     "kvx_policy": ("none", "KV policy applied after a context's prefill ('none' = plain SGLang)."),
     "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
+    "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
 }
 
 
@@ -38,6 +39,7 @@ class KvxConfigError(ValueError):
 class KvxConfig:
     policy: str = "none"
     keep_fraction: float = 1.0
+    protected_prefix_len: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -85,17 +87,36 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     )
 
 
-def build_config(policy: str = "none", keep_fraction: str | float = 1.0, model_path: str | None = None) -> KvxConfig:
+def parse_protected_prefix_len(raw: str | int) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise KvxConfigError(f"--kvx-protected-prefix-len must be a whole number >= 0, got {raw!r}") from None
+    if value < 0:
+        raise KvxConfigError(f"--kvx-protected-prefix-len must be >= 0, got {value}")
+    return value
+
+
+def build_config(
+    policy: str = "none",
+    keep_fraction: str | float = 1.0,
+    model_path: str | None = None,
+    protected_prefix_len: str | int = 0,
+) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     servable = ", ".join(sorted(SERVABLE_POLICIES))
     if policy not in policy_names():
         raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {servable}")
     if policy not in SERVABLE_POLICIES:
         raise KvxConfigError(
-            f"--kvx-policy {policy} scores offline but the server cannot compact yet; valid choices: {servable}"
+            f"--kvx-policy {policy} needs signals the server does not capture yet; valid choices: {servable}"
         )
     policy_cls = get_policy(policy)
-    config = KvxConfig(policy=policy, keep_fraction=parse_keep_fraction(keep_fraction))
+    config = KvxConfig(
+        policy=policy,
+        keep_fraction=parse_keep_fraction(keep_fraction),
+        protected_prefix_len=parse_protected_prefix_len(protected_prefix_len),
+    )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")

@@ -42,6 +42,8 @@ def load() -> None:
     _register_gdn_backend()
     if multiprocessing.parent_process() is None:
         _register_http_routes()
+    else:
+        _register_compaction_hooks()
 
 
 # --- flags -----------------------------------------------------------------
@@ -58,6 +60,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             policy=getattr(args, "kvx_policy", "none"),
             keep_fraction=getattr(args, "kvx_keep_fraction", "1.0"),
             model_path=getattr(args, "model_path", None),
+            protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
@@ -137,13 +140,115 @@ def _register_gdn_backend() -> None:
         HookRegistry.register(target, getattr(cpu_standins, name), HookType.REPLACE)
 
 
+# --- compaction (scheduler processes) ------------------------------------------------
+#
+# SGLang has no extension point for "this request's prefix comes from elsewhere",
+# so compaction wraps the narrow functions that decide a request's prefix and
+# positions, each delegating to the one KvxRuntime of this scheduler process
+# (None when the policy is ``none``: every wrapper then passes straight through).
+
+_RUNTIME = None
+
+
+def _register_compaction_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = {
+        "sglang.srt.managers.scheduler.Scheduler.__init__": (_after_scheduler_init, HookType.AFTER),
+        "sglang.srt.managers.scheduler.Scheduler.flush_cache": (_around_flush_cache, HookType.AROUND),
+        "sglang.srt.managers.schedule_batch.Req.init_next_round_input": (_around_init_next_round_input, HookType.AROUND),
+        "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices": (
+            _around_prefix_device_indices, HookType.AROUND),
+        "sglang.srt.mem_cache.allocation.alloc_for_extend": (_after_alloc_for_extend, HookType.AFTER),
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_after_forward_batch_init, HookType.AFTER),
+        "sglang.srt.mem_cache.common.release_kv_cache": (_around_release_kv_cache, HookType.AROUND),
+        # SGLang's idle leak check balances the pool against what the tree and
+        # sessions hold; the store holds slots the same way a session does.
+        "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver.session_held_tokens": (
+            _after_session_held_tokens, HookType.AFTER),
+    }
+    for target, (hook, kind) in hooks.items():
+        HookRegistry.register(target, hook, kind)
+    _COMPACTION_TARGETS.extend(hooks)
+
+
+_COMPACTION_TARGETS: list[str] = []
+
+
+def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
+    global _RUNTIME
+    config = config_of(scheduler.server_args)
+    if config.enabled:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        # SGLang only logs a hook it could not apply; compaction without all of them would be wrong.
+        missing = [t for t in _COMPACTION_TARGETS if t not in HookRegistry._patched]
+        if missing:
+            raise RuntimeError(f"sglang_kvx: SGLang hooks not applied: {', '.join(missing)}")
+        from sglang_kvx.compact.runtime import KvxRuntime
+
+        _RUNTIME = KvxRuntime(scheduler, config)
+
+
+def _around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):
+    if _RUNTIME is None or tree_cache is None or not _RUNTIME.before_round(req):
+        return original(req, tree_cache, cow_mamba)
+    # A child: refresh its (rewritten) fill ids without touching the tree, take an
+    # empty match at the root, then claim the stored rank slots as its protected prefix.
+    from array import array
+
+    from sglang.srt.mem_cache.common import match_kv_cache
+
+    original(req, None, cow_mamba)
+    match_kv_cache(req, tree_cache, array("q"), cow_mamba=False, max_prefix_len=0)
+    k_max = getattr(req, "_kvx_context").k_max
+    req.prefix_len = k_max
+    req.num_matched_prefix_tokens = k_max
+    req.kv.cache_protected_len = k_max  # SGLang frees only what lies past it
+
+
+def _around_prefix_device_indices(original, tree_cache, req):
+    slots = _RUNTIME.child_prefix_slots(req) if _RUNTIME is not None else None
+    return original(tree_cache, req) if slots is None else slots
+
+
+def _after_alloc_for_extend(result, batch, *_args, **_kwargs):
+    if _RUNTIME is not None:
+        _RUNTIME.after_alloc(batch.reqs)
+    return result
+
+
+def _after_forward_batch_init(forward_batch, *_args, **_kwargs):
+    if _RUNTIME is not None:
+        _RUNTIME.shift_positions(forward_batch)
+    return forward_batch
+
+
+def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
+    if _RUNTIME is not None:
+        _RUNTIME.before_release(req)
+    return original(req, tree_cache, *args, **kwargs)
+
+
+def _after_session_held_tokens(held, *_args, **_kwargs):
+    return held + (_RUNTIME.store.slots_held() if _RUNTIME is not None else 0)
+
+
+def _around_flush_cache(original, scheduler, *args, **kwargs):
+    result = original(scheduler, *args, **kwargs)
+    allocator = scheduler.token_to_kv_pool_allocator
+    if _RUNTIME is not None and allocator.available_size() == scheduler.max_total_num_tokens:
+        _RUNTIME.forget_all()  # SGLang cleared every pool: the store's slots went with them
+    return result
+
+
 # --- stats -----------------------------------------------------------------------
 
 
 def _after_get_internal_state(result, scheduler, *_args, **_kwargs):
     from sglang_kvx.serve.stats import scheduler_stats
 
-    result.internal_state["kvx"] = scheduler_stats(scheduler, config_of(scheduler.server_args))
+    result.internal_state["kvx"] = scheduler_stats(scheduler, config_of(scheduler.server_args), _RUNTIME)
     return result
 
 

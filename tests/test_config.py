@@ -29,13 +29,13 @@ def test_unknown_policy_names_the_valid_choices():
     with pytest.raises(KvxConfigError) as err:
         build_config("snapkvv")
     message = str(err.value)
-    assert message == "unknown --kvx-policy 'snapkvv'; valid choices: none"
+    assert message == "unknown --kvx-policy 'snapkvv'; valid choices: " + ", ".join(sorted(SERVABLE_POLICIES))
 
 
 @pytest.mark.parametrize("name", [n for n in policy_names() if n not in SERVABLE_POLICIES])
 def test_registered_but_unserved_policy_is_refused_not_ignored(name):
     # Accepting a compacting policy the server cannot apply would silently serve the full cache.
-    with pytest.raises(KvxConfigError, match=f"--kvx-policy {name} scores offline but the server cannot compact yet"):
+    with pytest.raises(KvxConfigError, match=f"--kvx-policy {name} needs signals the server does not capture yet"):
         build_config(name, 0.5)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fastapi import FastAPI
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import JSONResponse
 
 
 def add_routes(app: FastAPI, get_global_state: Callable[[], Any]) -> None:
@@ -16,6 +16,6 @@ def add_routes(app: FastAPI, get_global_state: Callable[[], Any]) -> None:
         body = dict(ranks[0]) if ranks else {}
         if len(ranks) > 1:
             body["ranks"] = ranks
-        return ORJSONResponse(body)
+        return JSONResponse(body)
 
     app.add_api_route("/kvx/stats", kvx_stats, methods=["GET"])

@@ -7,11 +7,11 @@ from typing import Any
 from sglang_kvx.config import KvxConfig
 
 
-def scheduler_stats(scheduler, config: KvxConfig) -> dict[str, Any]:
-    """Stats of one scheduler (one DP rank), computed from its allocator and tree cache now."""
+def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any]:
+    """Stats of one scheduler (one DP rank), computed from its allocator, tree cache and store now."""
     allocator = scheduler.token_to_kv_pool_allocator
     tree_cache = scheduler.tree_cache
-    return {
+    stats = {
         "policy": config.policy,
         "keep_fraction": config.keep_fraction,
         "kv_pool_total_tokens": int(scheduler.max_total_num_tokens),
@@ -20,3 +20,10 @@ def scheduler_stats(scheduler, config: KvxConfig) -> dict[str, Any]:
         "kv_pool_evictable_tokens": int(tree_cache.evictable_size()),
         "kv_pool_protected_tokens": int(tree_cache.protected_size()),
     }
+    if runtime is not None:
+        total, free = stats["kv_pool_total_tokens"], stats["kv_pool_free_tokens"]
+        stats["protected_prefix_len"] = config.protected_prefix_len
+        stats["kv_bytes_total"] = total * runtime.bytes_per_token
+        stats["kv_bytes_used"] = (total - free) * runtime.bytes_per_token
+        stats.update(runtime.stats())
+    return stats

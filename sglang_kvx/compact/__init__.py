@@ -1,0 +1,1 @@
+"""Compaction inside SGLang: parents compacted after prefill, children served from the store."""

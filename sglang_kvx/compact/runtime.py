@@ -1,0 +1,238 @@
+"""Compaction inside one SGLang scheduler: parents are compacted after their prefill, children reuse them.
+
+The flow, per context:
+  parent request (a prefill-only request, or one whose custom_params ask for it)
+    -> SGLang prefills it as usual
+    -> at release: read its keys/values from SGLang's pool (signals), score (policy),
+       allocate budgets, select per (layer, KV head), copy the kept entries into
+       fresh pool slots in rank order (compact), snapshot its GDN states, and let
+       SGLang free every slot of the full context (it is not inserted in the tree)
+  child request (its prompt starts with a stored context)
+    -> its context tokens are replaced by the stored rank slots as a protected
+       prefix; its own tokens keep their true positions (offset n - k_max),
+       and its GDN state slot starts from the parent's snapshot.
+
+Only plugin.py calls into this module; everything SGLang-specific it touches
+(Req fields, pools, allocator) is named in the method that touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from typing import Any
+
+import torch
+
+from sglang_kvx.config import KvxConfig
+from sglang_kvx.policies import get_policy
+from sglang_kvx.select import choose_keep_set
+from sglang_kvx.signals import ContextSignals
+from sglang_kvx.store import CompactedContext, ContextStore
+
+logger = logging.getLogger(__name__)
+
+_CHILD = "_kvx_context"  # attribute on a child Req: its CompactedContext
+_PARENT_CHECKED = "_kvx_parent_checked"
+
+
+class KvxRuntime:
+    def __init__(self, scheduler, config: KvxConfig) -> None:
+        self.config = config
+        self.policy = get_policy(config.policy)()
+        self.allocator = scheduler.token_to_kv_pool_allocator
+        self.req_to_token_pool = scheduler.req_to_token_pool
+        runner = scheduler.tp_worker.model_runner
+        self.kv_pool = runner.token_to_kv_pool
+        hf = runner.model_config.hf_text_config
+        layer_types = getattr(hf, "layer_types", None)
+        self.attention_layer_ids = (
+            [i for i, t in enumerate(layer_types) if t == "full_attention"] if layer_types else list(range(hf.num_hidden_layers))
+        )
+        self.num_q_heads = hf.num_attention_heads
+        self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
+        self.store = ContextStore()
+        # True-position offset of each request row's tokens (n - k_max for a child, else 0).
+        self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
+        key_buffer = self.kv_pool.get_key_buffer(self.attention_layer_ids[0])
+        self.num_kv_heads, self.head_dim = key_buffer.shape[1], key_buffer.shape[2]
+        self.bytes_per_token = 2 * len(self.attention_layer_ids) * self.num_kv_heads * self.head_dim * key_buffer.element_size()
+
+    # --- which requests take part ------------------------------------------------
+
+    @staticmethod
+    def _kvx_params(req) -> dict[str, Any]:
+        custom = getattr(req.sampling_params, "custom_params", None) or {}
+        params = custom.get("kvx") if isinstance(custom, dict) else None
+        return params if isinstance(params, dict) else {}
+
+    def is_parent(self, req) -> bool:
+        """A prefill-only request (how SGLang's frontend commits a shared prefix), unless it opts out."""
+        params = self._kvx_params(req)
+        if "compact" in params:
+            return bool(params["compact"])
+        return req.sampling_params.max_new_tokens == 0
+
+    def protected_prefix_len(self, req) -> int:
+        return int(self._kvx_params(req).get("protected_prefix_len", self.config.protected_prefix_len))
+
+    # --- requests entering a prefill ------------------------------------------------
+
+    def before_round(self, req) -> bool:
+        """Called before SGLang matches a request's prefix. True when the request is a child
+        whose prefix the caller must take from the store instead of the radix tree."""
+        if getattr(req, _CHILD, None) is not None:
+            return not req.kv.holds_kv
+        if req.output_ids or req.finished():
+            return False
+        if self.is_parent(req):
+            self._check_parent(req)
+            return False
+        context = self.store.longest_prefix_of(req.origin_input_ids) if len(self.store) else None
+        if context is None:
+            return False
+        # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
+        question = list(req.origin_input_ids[context.n :])
+        req.origin_input_ids = array("q", list(context.context_ids[: context.k_max]) + question)
+        req.skip_radix_cache_insert = True  # its prefix is the store's, not the tree's
+        setattr(req, _CHILD, context)
+        context.reuse_count += 1
+        context.active_children += 1
+        return True
+
+    def _check_parent(self, req) -> None:
+        if getattr(req, _PARENT_CHECKED, False):
+            return
+        setattr(req, _PARENT_CHECKED, True)
+        n = len(req.origin_input_ids)
+        protected = self.protected_prefix_len(req)
+        if protected < 0 or protected > n:
+            req.set_finish_with_abort(
+                f"sglang_kvx: protected prefix of {protected} tokens does not fit the {n}-token context"
+            )
+
+    def child_prefix_slots(self, req) -> torch.Tensor | None:
+        context = getattr(req, _CHILD, None)
+        return None if context is None else context.slots[: req.prefix_len]
+
+    def after_alloc(self, reqs) -> None:
+        """Rows are assigned now: record each row's position offset; seed children's GDN state slots."""
+        for req in reqs:
+            row = req.kv.req_pool_idx
+            context = getattr(req, _CHILD, None)
+            if context is None:
+                self.position_offset[row] = 0
+                continue
+            self.position_offset[row] = context.n - context.k_max
+            if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
+                self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self._mamba_slot(req))
+
+    def shift_positions(self, forward_batch) -> None:
+        """Children's tokens continue from the true context length (RoPE), not the compacted one."""
+        if forward_batch.positions is None or forward_batch.req_pool_indices is None:
+            return
+        offsets = self.position_offset[forward_batch.req_pool_indices.to(torch.long)]
+        if not bool(offsets.any()):
+            return
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            forward_batch.positions = forward_batch.positions + offsets
+        elif mode.is_extend():
+            per_token = torch.repeat_interleave(offsets, forward_batch.extend_seq_lens.to(torch.long))
+            forward_batch.positions = forward_batch.positions + per_token[: forward_batch.positions.shape[0]]
+        else:
+            raise NotImplementedError(f"sglang_kvx: forward mode {mode} with compacted children")
+
+    # --- requests leaving ---------------------------------------------------------------
+
+    def before_release(self, req) -> None:
+        context = getattr(req, _CHILD, None)
+        if context is not None:
+            if req.finished():
+                context.active_children -= 1
+            if req.kv.holds_kv:
+                self.position_offset[req.kv.req_pool_idx] = 0
+            return
+        if not (req.finished() and self.is_parent(req) and req.kv.holds_kv):
+            return
+        if _aborted(req):
+            return
+        if self.store.get(req.origin_input_ids) is not None:
+            req.skip_radix_cache_insert = True  # the compacted copy already serves this context
+            return
+        self.compact(req)
+        req.skip_radix_cache_insert = True  # SGLang frees every slot of the full context
+
+    def compact(self, req) -> CompactedContext:
+        context_ids = tuple(int(t) for t in req.origin_input_ids)
+        n = len(context_ids)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
+        keys, values = [], []
+        for layer_id in self.attention_layer_ids:
+            keys.append(self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1).float())
+            values.append(self.kv_pool.get_value_buffer(layer_id)[row].transpose(0, 1).float())
+        signals = ContextSignals(
+            n=n,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            keys=keys,
+            values=values,
+            protected_prefix_len=self.protected_prefix_len(req),
+        )
+        keep = choose_keep_set(self.policy, signals, self.config.keep_fraction)
+        k_max = max(keep.kept_per_layer)
+        slots = self.allocator.alloc(k_max)
+        if slots is None:
+            raise RuntimeError(f"sglang_kvx: no room for {k_max} compacted slots")
+        slots = slots.to(torch.long)
+        for layer, layer_id in enumerate(self.attention_layer_ids):
+            positions = keep.positions[layer].to(row.device)  # [kv_heads, K_l]
+            source = row[positions]  # the parent's slots, per head
+            kept = positions.shape[1]
+            key_buffer = self.kv_pool.get_key_buffer(layer_id)
+            value_buffer = self.kv_pool.get_value_buffer(layer_id)
+            for kv_head in range(self.num_kv_heads):
+                key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
+                value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
+        snapshot = None
+        if self.mamba_pool is not None:
+            snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
+        context = CompactedContext(
+            context_ids=context_ids,
+            policy=self.config.policy,
+            keep_fraction=self.config.keep_fraction,
+            protected_prefix_len=signals.protected_prefix_len,
+            slots=slots,
+            kept_per_layer=keep.kept_per_layer,
+            gdn_snapshot=snapshot,
+        )
+        self.store.add(context)
+        logger.info(
+            "sglang_kvx: compacted %d-token context with %s (p=%g): kept %s entries per attention layer",
+            n, self.config.policy, self.config.keep_fraction, keep.kept_per_layer,
+        )
+        return context
+
+    def _mamba_slot(self, req) -> torch.Tensor:
+        index = req.kv.mamba_pool_idx.reshape(1).to(torch.long)
+        translate = getattr(self.req_to_token_pool, "translate_mamba_indices", None)
+        return translate(index) if translate is not None else index
+
+    # --- store lifetime ----------------------------------------------------------------
+
+    def forget_all(self) -> None:
+        """After SGLang flushed its pools (every slot is free again), drop the store's references."""
+        self.store.contexts.clear()
+        self.position_offset.zero_()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "compacted_contexts": [c.summary() for c in self.store.contexts.values()],
+            "store_slots": self.store.slots_held(),
+        }
+
+
+def _aborted(req) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"

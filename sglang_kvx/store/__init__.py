@@ -1,0 +1,83 @@
+"""The compacted-context store: what each compacted context keeps, and where.
+
+A compacted context holds ``k_max = max_l K_l`` slots of SGLang's own KV pool
+("rank slots"): in attention layer l and KV head h, slot i holds that head's
+i-th kept entry (keys are cached after RoPE, so a slot need not mean one
+position across heads); ranks >= K_l are unused in layer l. The slots are
+allocated from SGLang's allocator, so the pool's free count sees them, and the
+rest of the context's slots go back to the pool. GDN states at the end of the
+context are kept as a snapshot and restored into every child's state slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CompactedContext:
+    context_ids: tuple[int, ...]
+    policy: str
+    keep_fraction: float
+    protected_prefix_len: int
+    slots: torch.Tensor  # LongTensor [k_max]: pool slots holding the kept entries (rank order)
+    kept_per_layer: list[int]
+    gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
+    reuse_count: int = 0
+    active_children: int = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.context_ids)
+
+    @property
+    def k_max(self) -> int:
+        return int(self.slots.numel())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "context_tokens": self.n,
+            "kept_entries": self.kept_per_layer,
+            "slots": self.k_max,
+            "policy": self.policy,
+            "keep_fraction": self.keep_fraction,
+            "protected_prefix_len": self.protected_prefix_len,
+            "reuse_count": self.reuse_count,
+            "active_children": self.active_children,
+        }
+
+
+@dataclass
+class ContextStore:
+    """Compacted contexts keyed by their token ids; a prompt adopts the longest stored prefix."""
+
+    contexts: dict[tuple[int, ...], CompactedContext] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.contexts)
+
+    def get(self, context_ids) -> CompactedContext | None:
+        return self.contexts.get(tuple(context_ids))
+
+    def add(self, context: CompactedContext) -> None:
+        if context.context_ids in self.contexts:
+            raise ValueError("context already compacted")
+        self.contexts[context.context_ids] = context
+
+    def longest_prefix_of(self, prompt_ids) -> CompactedContext | None:
+        """The longest stored context that the prompt strictly extends (at least one token after it)."""
+        best = None
+        for ids, context in self.contexts.items():
+            n = len(ids)
+            if n < len(prompt_ids) and (best is None or n > best.n) and tuple(prompt_ids[:n]) == ids:
+                best = context
+        return best
+
+    def remove(self, context: CompactedContext) -> None:
+        del self.contexts[context.context_ids]
+
+    def slots_held(self) -> int:
+        return sum(c.k_max for c in self.contexts.values())
