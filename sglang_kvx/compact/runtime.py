@@ -45,10 +45,9 @@ class KvxRuntime:
         runner = scheduler.tp_worker.model_runner
         self.kv_pool = runner.token_to_kv_pool
         hf = runner.model_config.hf_text_config
-        layer_types = getattr(hf, "layer_types", None)
-        self.attention_layer_ids = (
-            [i for i, t in enumerate(layer_types) if t == "full_attention"] if layer_types else list(range(hf.num_hidden_layers))
-        )
+        # Hybrid configs name their attention layers; dense ones attend in every layer.
+        full_ids = getattr(hf, "full_attention_layer_ids", None)
+        self.attention_layer_ids = list(full_ids) if full_ids is not None else list(range(hf.num_hidden_layers))
         self.num_q_heads = hf.num_attention_heads
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
@@ -126,6 +125,9 @@ class KvxRuntime:
             self.position_offset[row] = context.n - context.k_max
             if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
                 self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self._mamba_slot(req))
+                # SGLang zeroes a fresh request's state slot later in the same prepare step
+                # (a deferred clear); this slot now holds the parent's state instead.
+                req.kv.mamba_needs_clear = False
 
     def shift_positions(self, forward_batch) -> None:
         """Children's tokens continue from the true context length (RoPE), not the compacted one."""
