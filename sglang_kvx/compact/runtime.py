@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from sglang_kvx.config import KvxConfig
+from sglang_kvx.config import (
+    SERVABLE_POLICIES,
+    KvxConfig,
+    KvxConfigError,
+    parse_keep_fraction,
+    parse_protected_prefix_len,
+)
 from sglang_kvx.policies import get_policy
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals
@@ -39,7 +45,7 @@ _PARENT_CHECKED = "_kvx_parent_checked"
 class KvxRuntime:
     def __init__(self, scheduler, config: KvxConfig) -> None:
         self.config = config
-        self.policy = get_policy(config.policy)()
+        self._policies: dict[str, Any] = {}
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.req_to_token_pool = scheduler.req_to_token_pool
         runner = scheduler.tp_worker.model_runner
@@ -72,8 +78,22 @@ class KvxRuntime:
             return bool(params["compact"])
         return req.sampling_params.max_new_tokens == 0
 
-    def protected_prefix_len(self, req) -> int:
-        return int(self._kvx_params(req).get("protected_prefix_len", self.config.protected_prefix_len))
+    def settings(self, req) -> tuple[str, float, int]:
+        """(policy, keep_fraction, protected_prefix_len) for a request: its custom_params
+        ``{"kvx": {...}}`` override the server's flags. Raises KvxConfigError on bad values."""
+        params = self._kvx_params(req)
+        policy = params.get("policy", self.config.policy)
+        if policy not in SERVABLE_POLICIES or policy == "none":
+            valid = ", ".join(sorted(SERVABLE_POLICIES - {"none"}))
+            raise KvxConfigError(f"kvx policy {policy!r} cannot compact here; valid choices: {valid}")
+        keep_fraction = parse_keep_fraction(params.get("keep_fraction", self.config.keep_fraction))
+        protected = parse_protected_prefix_len(params.get("protected_prefix_len", self.config.protected_prefix_len))
+        return policy, keep_fraction, protected
+
+    def _policy(self, name: str):
+        if name not in self._policies:
+            self._policies[name] = get_policy(name)()
+        return self._policies[name]
 
     # --- requests entering a prefill ------------------------------------------------
 
@@ -87,7 +107,14 @@ class KvxRuntime:
         if self.is_parent(req):
             self._check_parent(req)
             return False
-        context = self.store.longest_prefix_of(req.origin_input_ids) if len(self.store) else None
+        if not len(self.store):
+            return False
+        try:
+            settings = self.settings(req)
+        except KvxConfigError as exc:
+            req.set_finish_with_abort(f"sglang_kvx: {exc}")
+            return False
+        context = self.store.longest_prefix_of(req.origin_input_ids, settings)
         if context is None:
             return False
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
@@ -104,10 +131,14 @@ class KvxRuntime:
             return
         setattr(req, _PARENT_CHECKED, True)
         n = len(req.origin_input_ids)
-        protected = self.protected_prefix_len(req)
-        if protected < 0 or protected > n:
+        try:
+            _, _, protected = self.settings(req)
+        except KvxConfigError as exc:
+            req.set_finish_with_abort(f"sglang_kvx: {exc}")
+            return
+        if protected >= n:
             req.set_finish_with_abort(
-                f"sglang_kvx: protected prefix of {protected} tokens does not fit the {n}-token context"
+                f"sglang_kvx: protected prefix of {protected} tokens leaves nothing to compact in the {n}-token context"
             )
 
     def child_prefix_slots(self, req) -> torch.Tensor | None:
@@ -159,13 +190,15 @@ class KvxRuntime:
             return
         if _aborted(req):
             return
-        if self.store.get(req.origin_input_ids) is not None:
+        settings = self.settings(req)  # validated when the request entered (_check_parent)
+        if self.store.get(req.origin_input_ids, settings) is not None:
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
             return
-        self.compact(req)
+        self.compact(req, settings)
         req.skip_radix_cache_insert = True  # SGLang frees every slot of the full context
 
-    def compact(self, req) -> CompactedContext:
+    def compact(self, req, settings: tuple[str, float, int]) -> CompactedContext:
+        policy, keep_fraction, protected = settings
         context_ids = tuple(int(t) for t in req.origin_input_ids)
         n = len(context_ids)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
@@ -180,9 +213,9 @@ class KvxRuntime:
             head_dim=self.head_dim,
             keys=keys,
             values=values,
-            protected_prefix_len=self.protected_prefix_len(req),
+            protected_prefix_len=protected,
         )
-        keep = choose_keep_set(self.policy, signals, self.config.keep_fraction)
+        keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
         k_max = max(keep.kept_per_layer)
         slots = self.allocator.alloc(k_max)
         if slots is None:
@@ -202,17 +235,18 @@ class KvxRuntime:
             snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
         context = CompactedContext(
             context_ids=context_ids,
-            policy=self.config.policy,
-            keep_fraction=self.config.keep_fraction,
-            protected_prefix_len=signals.protected_prefix_len,
+            policy=policy,
+            keep_fraction=keep_fraction,
+            protected_prefix_len=protected,
             slots=slots,
             kept_per_layer=keep.kept_per_layer,
+            keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=snapshot,
         )
         self.store.add(context)
         logger.info(
             "sglang_kvx: compacted %d-token context with %s (p=%g): kept %s entries per attention layer",
-            n, self.config.policy, self.config.keep_fraction, keep.kept_per_layer,
+            n, policy, keep_fraction, keep.kept_per_layer,
         )
         return context
 
@@ -232,6 +266,10 @@ class KvxRuntime:
         return {
             "compacted_contexts": [c.summary() for c in self.store.contexts.values()],
             "store_slots": self.store.slots_held(),
+            # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
+            "keep_sets": [
+                {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()
+            ],
         }
 
 

@@ -108,12 +108,18 @@ class HFReference:
             return [i for i, t in enumerate(types) if t == "full_attention"]
         return list(range(self.model.config.num_hidden_layers))
 
-    @torch.no_grad()
     def compacted_greedy(
         self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int
     ) -> list[int]:
+        return self.compacted_generate(context_ids, keep, question_ids, max_new_tokens)[0]
+
+    @torch.no_grad()
+    def compacted_generate(
+        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int
+    ) -> tuple[list[int], list[float]]:
         """Prefill the context, keep per attention layer and KV head only the positions in ``keep``
         (keep[l]: LongTensor [kv_heads, K_l]), then answer the question greedily from that cache.
+        Returns the tokens and the log-probability of each.
 
         GDN states are left as the full prefill produced them; later tokens keep their true positions.
         """
@@ -133,6 +139,7 @@ class HFReference:
         try:
             n = len(context_ids)
             generated: list[int] = []
+            logprobs: list[float] = []
             step_ids = list(question_ids)
             position = n
             for _ in range(max_new_tokens):
@@ -141,8 +148,9 @@ class HFReference:
                 logits = model(ids, position_ids=positions, cache_position=positions[0], past_key_values=cache, use_cache=True).logits
                 token = int(logits[0, -1].argmax())
                 generated.append(token)
+                logprobs.append(float(torch.log_softmax(logits[0, -1].float(), dim=-1)[token]))
                 position += len(step_ids)
                 step_ids = [token]
-            return generated
+            return generated, logprobs
         finally:
             model.set_attn_implementation(previous)

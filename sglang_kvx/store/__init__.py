@@ -25,6 +25,7 @@ class CompactedContext:
     protected_prefix_len: int
     slots: torch.Tensor  # LongTensor [k_max]: pool slots holding the kept entries (rank order)
     kept_per_layer: list[int]
+    keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
     gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
     reuse_count: int = 0
     active_children: int = 0
@@ -32,6 +33,10 @@ class CompactedContext:
     @property
     def n(self) -> int:
         return len(self.context_ids)
+
+    @property
+    def settings(self) -> tuple[str, float, int]:
+        return (self.policy, self.keep_fraction, self.protected_prefix_len)
 
     @property
     def k_max(self) -> int:
@@ -50,34 +55,48 @@ class CompactedContext:
         }
 
 
+Settings = tuple  # (policy, keep_fraction, protected_prefix_len)
+
+
 @dataclass
 class ContextStore:
-    """Compacted contexts keyed by their token ids; a prompt adopts the longest stored prefix."""
+    """Compacted contexts keyed by (token ids, settings); a prompt adopts the longest stored prefix.
 
-    contexts: dict[tuple[int, ...], CompactedContext] = field(default_factory=dict)
+    The same context compacted by two policies (or two budgets) is two entries: an
+    evaluation scores every method on the same parent.
+    """
+
+    contexts: dict[tuple, CompactedContext] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.contexts)
 
-    def get(self, context_ids) -> CompactedContext | None:
-        return self.contexts.get(tuple(context_ids))
+    @staticmethod
+    def key_of(context_ids, settings: Settings) -> tuple:
+        return (tuple(int(t) for t in context_ids), *settings)
+
+    def get(self, context_ids, settings: Settings) -> CompactedContext | None:
+        return self.contexts.get(self.key_of(context_ids, settings))
 
     def add(self, context: CompactedContext) -> None:
-        if context.context_ids in self.contexts:
-            raise ValueError("context already compacted")
-        self.contexts[context.context_ids] = context
+        key = self.key_of(context.context_ids, context.settings)
+        if key in self.contexts:
+            raise ValueError("context already compacted with these settings")
+        self.contexts[key] = context
 
-    def longest_prefix_of(self, prompt_ids) -> CompactedContext | None:
-        """The longest stored context that the prompt strictly extends (at least one token after it)."""
+    def longest_prefix_of(self, prompt_ids, settings: Settings) -> CompactedContext | None:
+        """The longest context stored with ``settings`` that the prompt strictly extends."""
         best = None
-        for ids, context in self.contexts.items():
-            n = len(ids)
-            if n < len(prompt_ids) and (best is None or n > best.n) and tuple(prompt_ids[:n]) == ids:
+        for context in self.contexts.values():
+            n = context.n
+            if (
+                context.settings == tuple(settings)
+                and n < len(prompt_ids)
+                and (best is None or n > best.n)
+                and tuple(prompt_ids[:n]) == context.context_ids
+            ):
                 best = context
         return best
-
-    def remove(self, context: CompactedContext) -> None:
-        del self.contexts[context.context_ids]
 
     def slots_held(self) -> int:
         return sum(c.k_max for c in self.contexts.values())
