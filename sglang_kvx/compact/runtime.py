@@ -19,6 +19,7 @@ Only plugin.py calls into this module; everything SGLang-specific it touches
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from typing import Any
 
@@ -57,11 +58,14 @@ class KvxRuntime:
         self.num_q_heads = hf.num_attention_heads
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
+        self.skipped_no_room = 0
         # True-position offset of each request row's tokens (n - k_max for a child, else 0).
         self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
         key_buffer = self.kv_pool.get_key_buffer(self.attention_layer_ids[0])
         self.num_kv_heads, self.head_dim = key_buffer.shape[1], key_buffer.shape[2]
-        self.bytes_per_token = 2 * len(self.attention_layer_ids) * self.num_kv_heads * self.head_dim * key_buffer.element_size()
+        # One entry = one position's key and value in one attention layer, all KV heads.
+        self.bytes_per_entry = 2 * self.num_kv_heads * self.head_dim * key_buffer.element_size()
+        self.bytes_per_token = len(self.attention_layer_ids) * self.bytes_per_entry
 
     # --- which requests take part ------------------------------------------------
 
@@ -194,11 +198,12 @@ class KvxRuntime:
         if self.store.get(req.origin_input_ids, settings) is not None:
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
             return
-        self.compact(req, settings)
-        req.skip_radix_cache_insert = True  # SGLang frees every slot of the full context
+        if self.compact(req, settings) is not None:
+            req.skip_radix_cache_insert = True  # SGLang frees every other slot of the full context
 
-    def compact(self, req, settings: tuple[str, float, int]) -> CompactedContext:
+    def compact(self, req, settings: tuple[str, float, int]) -> CompactedContext | None:
         policy, keep_fraction, protected = settings
+        t0 = time.perf_counter()
         context_ids = tuple(int(t) for t in req.origin_input_ids)
         n = len(context_ids)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
@@ -215,12 +220,15 @@ class KvxRuntime:
             values=values,
             protected_prefix_len=protected,
         )
+        t1 = time.perf_counter()
         keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
+        t2 = time.perf_counter()
         k_max = max(keep.kept_per_layer)
-        slots = self.allocator.alloc(k_max)
+        slots = self._rank_slots(req, row, k_max)
         if slots is None:
-            raise RuntimeError(f"sglang_kvx: no room for {k_max} compacted slots")
-        slots = slots.to(torch.long)
+            logger.warning("sglang_kvx: no room for %d compacted slots; the %d-token context stays uncompacted", k_max, n)
+            self.skipped_no_room += 1
+            return None
         for layer, layer_id in enumerate(self.attention_layer_ids):
             positions = keep.positions[layer].to(row.device)  # [kv_heads, K_l]
             source = row[positions]  # the parent's slots, per head
@@ -230,6 +238,7 @@ class KvxRuntime:
             for kv_head in range(self.num_kv_heads):
                 key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
                 value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
+        t3 = time.perf_counter()
         snapshot = None
         if self.mamba_pool is not None:
             snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
@@ -242,6 +251,12 @@ class KvxRuntime:
             kept_per_layer=keep.kept_per_layer,
             keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=snapshot,
+            timings={
+                "signals_s": t1 - t0,  # reading keys/values out of the pool
+                "score_select_s": t2 - t1,  # policy scores, layer budgets, per-head top-K
+                "compact_s": time.perf_counter() - t2,  # rank-slot copy + GDN snapshot
+                "bytes_moved": sum(keep.kept_per_layer) * self.bytes_per_entry,
+            },
         )
         self.store.add(context)
         logger.info(
@@ -249,6 +264,21 @@ class KvxRuntime:
             n, policy, keep_fraction, keep.kept_per_layer,
         )
         return context
+
+    def _rank_slots(self, req, row: torch.Tensor, k_max: int) -> torch.Tensor | None:
+        """Slots for the compacted context. Prefer the parent's own: the copy gathers each
+        (layer, head) into the first k_max slots the parent owns (a gather reads before it
+        writes, and heads and layers live in separate columns and buffers), so compaction
+        needs no memory beyond what the prefill held. Fresh slots only when the parent owns
+        too few (most of its context was a radix-cache hit)."""
+        owned_start = int(req.kv.cache_protected_len)
+        if len(row) - owned_start >= k_max:
+            slots = row[owned_start : owned_start + k_max].clone()
+            # SGLang frees the parent's row past its protected length: keep these out of it.
+            req.kv.cache_protected_len = owned_start + k_max
+            return slots
+        fresh = self.allocator.alloc(k_max)
+        return None if fresh is None else fresh.to(torch.long)
 
     def _mamba_slot(self, req) -> torch.Tensor:
         index = req.kv.mamba_pool_idx.reshape(1).to(torch.long)
@@ -266,6 +296,7 @@ class KvxRuntime:
         return {
             "compacted_contexts": [c.summary() for c in self.store.contexts.values()],
             "store_slots": self.store.slots_held(),
+            "compactions_skipped_no_room": self.skipped_no_room,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
                 {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()

@@ -27,6 +27,7 @@ class CompactedContext:
     kept_per_layer: list[int]
     keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
     gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
+    timings: dict[str, float] = field(default_factory=dict)
     reuse_count: int = 0
     active_children: int = 0
 
@@ -52,6 +53,7 @@ class CompactedContext:
             "protected_prefix_len": self.protected_prefix_len,
             "reuse_count": self.reuse_count,
             "active_children": self.active_children,
+            "timings": self.timings,
         }
 
 
