@@ -2,7 +2,7 @@
 
     sglang-kvx demo [...]           the main job on the embedded default model
     sglang-kvx serve [SGLang flags]  python -m sglang.launch_server with the demo model and CPU-safe defaults
-    sglang-kvx build-demo            (re)build the random-weight demo checkpoints in weights/
+    sglang-kvx build-demo [--force]  rebuild random-weight demo checkpoints in weights/ (keeps trained ones)
 """
 
 from __future__ import annotations
@@ -34,9 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         return _serve(argv)
     if command == "build-demo":
-        from sglang_kvx.models.demo import DEMO_MODELS, build_demo_model
+        import json
 
+        from sglang_kvx.models.demo import DEMO_MODELS, build_demo_model, weights_root
+
+        force = "--force" in argv
         for name in DEMO_MODELS:
+            meta = weights_root() / name / "kvx_demo.json"
+            if meta.exists() and json.loads(meta.read_text()).get("trained") and not force:
+                print(f"{name}: trained weights kept (pass --force to rebuild random ones)")
+                continue
             print(build_demo_model(name))
         return 0
     print(__doc__.strip())
