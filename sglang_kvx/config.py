@@ -15,11 +15,12 @@ from typing import Any
 
 from sglang_kvx.policies import ModelTraits, get_policy, policy_names
 
-# Policies the server can apply today: those whose signals SGLang's pool holds
-# (keys, values). The others score offline (sglang_kvx.select.choose_keep_set,
-# the HF oracle) until the served producer captures their signals; the launcher
-# refuses them rather than accept them and do nothing.
-SERVABLE_POLICIES: frozenset[str] = frozenset({"none", "random", "knorm", "streamingllm", "keydiff"})
+# Policies the server can apply today: those reading keys and values (SGLang's
+# pool holds them) or attention (queries captured during the parent's prefill),
+# with one budget for every layer. pyramidkv needs per-layer budgets in the
+# attention kernels, not served yet; it scores offline (choose_keep_set, the HF
+# oracle). The launcher refuses a policy it cannot apply rather than ignore it.
+SERVABLE_POLICIES: frozenset[str] = frozenset({"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o"})
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
 # parsed here, so a bad value gets our one-line error rather than argparse's
@@ -109,7 +110,7 @@ def build_config(
         raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {servable}")
     if policy not in SERVABLE_POLICIES:
         raise KvxConfigError(
-            f"--kvx-policy {policy} needs signals the server does not capture yet; valid choices: {servable}"
+            f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {servable}"
         )
     policy_cls = get_policy(policy)
     config = KvxConfig(

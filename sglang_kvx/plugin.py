@@ -162,6 +162,8 @@ def _register_compaction_hooks() -> None:
         "sglang.srt.mem_cache.allocation.alloc_for_extend": (_after_alloc_for_extend, HookType.AFTER),
         "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": (_after_forward_batch_init, HookType.AFTER),
         "sglang.srt.mem_cache.common.release_kv_cache": (_around_release_kv_cache, HookType.AROUND),
+        # Backend-agnostic: every attention backend runs under RadixAttention.forward.
+        "sglang.srt.layers.radix_attention.RadixAttention.forward": (_after_attention, HookType.AFTER),
         # SGLang's idle leak check balances the pool against what the tree and
         # sessions hold; the store holds slots the same way a session does.
         "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver.session_held_tokens": (
@@ -222,6 +224,12 @@ def _after_forward_batch_init(forward_batch, *_args, **_kwargs):
     if _RUNTIME is not None:
         _RUNTIME.shift_positions(forward_batch)
     return forward_batch
+
+
+def _after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
+    if _RUNTIME is not None and _RUNTIME.captures:
+        _RUNTIME.capture_attention(layer, q, forward_batch)
+    return output
 
 
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):

@@ -21,7 +21,7 @@ from sglang_kvx.serve.launcher import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-SERVED = ["random", "knorm", "streamingllm", "keydiff"]
+SERVED = ["random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o"]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 

@@ -39,6 +39,7 @@ from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
 
+WINDOW = 64  # observation-window queries kept per attention layer (SnapKV's default)
 _CHILD = "_kvx_context"  # attribute on a child Req: its CompactedContext
 _PARENT_CHECKED = "_kvx_parent_checked"
 
@@ -59,6 +60,9 @@ class KvxRuntime:
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
         self.skipped_no_room = 0
+        # Parents whose policy reads attention: their queries are captured during the prefill.
+        self.captures: dict[int, _AttentionCapture] = {}
+        self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
         # True-position offset of each request row's tokens (n - k_max for a child, else 0).
         self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
         key_buffer = self.kv_pool.get_key_buffer(self.attention_layer_ids[0])
@@ -156,6 +160,15 @@ class KvxRuntime:
             context = getattr(req, _CHILD, None)
             if context is None:
                 self.position_offset[row] = 0
+                if self.is_parent(req) and not req.finished() and row not in self.captures:
+                    policy = self._policy(self.settings(req)[0])
+                    if "attention" in policy.needs:
+                        self.captures[row] = _AttentionCapture(
+                            n=len(req.origin_input_ids),
+                            num_layers=len(self.attention_layer_ids),
+                            window=getattr(policy, "window_size", WINDOW),
+                            column_sums=getattr(policy, "reads_column_sums", False),
+                        )
                 continue
             self.position_offset[row] = context.n - context.k_max
             if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
@@ -180,6 +193,40 @@ class KvxRuntime:
         else:
             raise NotImplementedError(f"sglang_kvx: forward mode {mode} with compacted children")
 
+    def capture_attention(self, layer, q: torch.Tensor, forward_batch) -> None:
+        """After an attention layer ran (its KV is in the pool): record what attention-reading
+        policies need from the parents in this batch — the last queries of the context (SnapKV's
+        observation window) and, for H2O, every context query's attention summed per key."""
+        layer_index = self.layer_index.get(layer.layer_id)
+        if layer_index is None or not forward_batch.forward_mode.is_extend():
+            return
+        rows = forward_batch.req_pool_indices.tolist()
+        if not any(row in self.captures for row in rows):
+            return
+        starts = forward_batch.extend_start_loc.tolist()
+        lengths = forward_batch.extend_seq_lens_cpu
+        prefixes = forward_batch.extend_prefix_lens_cpu
+        key_buffer = self.kv_pool.get_key_buffer(layer.layer_id)
+        num_q_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        for i, row in enumerate(rows):
+            capture = self.captures.get(row)
+            if capture is None:
+                continue
+            queries = q[starts[i] : starts[i] + lengths[i]].reshape(-1, num_q_heads, head_dim).float()
+            capture.add_window(layer_index, queries)
+            if capture.column_sums:
+                seq_len = prefixes[i] + lengths[i]
+                keys = key_buffer[self.req_to_token_pool.req_to_token[row, :seq_len].to(torch.long)].float()
+                keys = keys.repeat_interleave(num_q_heads // keys.shape[1], dim=1)  # [S, Hq, D]
+                sums = capture.column_sums_of(layer_index)
+                for start in range(0, queries.shape[0], 512):  # bounded [Hq, 512, S] at a time
+                    block = queries[start : start + 512]
+                    logits = torch.einsum("thd,shd->hts", block, keys) * layer.scaling
+                    query_pos = prefixes[i] + start + torch.arange(block.shape[0])
+                    future = torch.arange(seq_len)[None, :] > query_pos[:, None]
+                    probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+                    sums[:, :seq_len] += probs.sum(dim=1)
+
     # --- requests leaving ---------------------------------------------------------------
 
     def before_release(self, req) -> None:
@@ -193,9 +240,11 @@ class KvxRuntime:
         if not (req.finished() and self.is_parent(req) and req.kv.holds_kv):
             return
         if _aborted(req):
+            self.captures.pop(int(req.kv.req_pool_idx), None)
             return
         settings = self.settings(req)  # validated when the request entered (_check_parent)
         if self.store.get(req.origin_input_ids, settings) is not None:
+            self.captures.pop(int(req.kv.req_pool_idx), None)
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
             return
         if self.compact(req, settings) is not None:
@@ -220,6 +269,10 @@ class KvxRuntime:
             values=values,
             protected_prefix_len=protected,
         )
+        capture = self.captures.pop(int(req.kv.req_pool_idx), None)
+        if capture is not None:
+            signals.window_queries = [w.transpose(0, 1) for w in capture.window_queries]
+            signals.attention_column_sums = capture.column_sums_per_layer
         t1 = time.perf_counter()
         keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
         t2 = time.perf_counter()
@@ -290,6 +343,7 @@ class KvxRuntime:
     def forget_all(self) -> None:
         """After SGLang flushed its pools (every slot is free again), drop the store's references."""
         self.store.contexts.clear()
+        self.captures.clear()
         self.position_offset.zero_()
 
     def stats(self) -> dict[str, Any]:
@@ -307,3 +361,29 @@ class KvxRuntime:
 def _aborted(req) -> bool:
     reason = getattr(req, "finished_reason", None)
     return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+class _AttentionCapture:
+    """Per parent: the last ``window`` queries of each attention layer, and optional column sums."""
+
+    def __init__(self, n: int, num_layers: int, window: int, column_sums: bool) -> None:
+        self.n = n
+        self.window = window
+        self.column_sums = column_sums
+        self.window_queries: list[torch.Tensor | None] = [None] * num_layers  # [w, Hq, D]
+        self._sums: list[torch.Tensor | None] = [None] * num_layers
+
+    def add_window(self, layer: int, queries: torch.Tensor) -> None:
+        # Chunked prefill: a later chunk's queries push the earlier ones out of the window.
+        previous = self.window_queries[layer]
+        joined = queries if previous is None else torch.cat([previous, queries])
+        self.window_queries[layer] = joined[-self.window :]
+
+    def column_sums_of(self, layer: int) -> torch.Tensor:
+        if self._sums[layer] is None:
+            self._sums[layer] = torch.zeros(self.window_queries[layer].shape[1], self.n)
+        return self._sums[layer]
+
+    @property
+    def column_sums_per_layer(self) -> list[torch.Tensor] | None:
+        return list(self._sums) if self.column_sums else None

@@ -50,6 +50,8 @@ class KVPolicy:
     needs: ClassVar[frozenset[str]] = frozenset()
     # False only for ``none``: the server then behaves exactly as plain SGLang.
     compacts: ClassVar[bool] = True
+    # True when score() reads attention_column_sums (the server then accumulates them during prefill).
+    reads_column_sums: ClassVar[bool] = False
     # The layer-budget rule used unless the caller picks another (a name in sglang_kvx.allocate).
     allocation: ClassVar[str] = "flat"
 

@@ -23,6 +23,7 @@ from sglang_kvx.signals import ContextSignals
 @register_policy("h2o")
 class H2OPolicy(KVPolicy):
     needs = frozenset({"attention"})
+    reads_column_sums = True
 
     def __init__(self, *, recent_ratio: float = 0.5) -> None:
         if not 0.0 <= recent_ratio <= 1.0:
