@@ -160,7 +160,8 @@ class KvxRuntime:
             context = getattr(req, _CHILD, None)
             if context is None:
                 self.position_offset[row] = 0
-                if self.is_parent(req) and not req.finished() and row not in self.captures:
+                # An aborted parent (to_finish set on bad settings) is prefilled as one stub token.
+                if self.is_parent(req) and req.to_finish is None and not req.finished() and row not in self.captures:
                     policy = self._policy(self.settings(req)[0])
                     if "attention" in policy.needs:
                         self.captures[row] = _AttentionCapture(

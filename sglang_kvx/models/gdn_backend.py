@@ -27,9 +27,6 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         self.conv_states_shape = model_runner.req_to_token_pool.mamba_pool.mamba_cache.conv[0].shape
-        # Token-level GDN signals are read by the compaction layer from here
-        # (set per forward by whoever needs them; None = nothing recorded).
-        self.signal_sink = None
 
     def _layer_states(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
@@ -72,8 +69,6 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
             o, state = gated_delta_rule_chunked(q, k, v, g[start:end], beta[start:end], state0)
             ssm_states[slot] = state.transpose(-1, -2).to(ssm_states.dtype)
             out[start:end] = o.to(out.dtype)
-            if self.signal_sink is not None:
-                self.signal_sink(layer, i, start, end, g[start:end], beta[start:end], v)
         return out.unsqueeze(0)
 
     def forward_decode(self, layer, forward_batch, mixed_qkv, a, b, **kwargs):

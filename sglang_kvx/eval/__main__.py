@@ -1,0 +1,3 @@
+from sglang_kvx.eval.runner import main
+
+raise SystemExit(main())

@@ -1,0 +1,26 @@
+"""The evaluation runner's smoke path: a real server, a tiny length, one policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_kvx.eval.runner import main, summarize, table
+
+pytestmark = pytest.mark.slow
+
+
+def test_runner_sweeps_a_live_server_and_writes_results(tmp_path):
+    out = tmp_path / "eval"
+    code = main(["--tasks", "niah_single_1,qa_1", "--length", "512", "--samples", "2", "--policies", "keydiff",
+                 "--fractions", "0.5,0.2", "--max-new-tokens", "12", "--out", str(out)])
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())
+    methods = {(r["policy"], r["keep_fraction"]) for r in rows}
+    assert methods == {("full", 1.0), ("keydiff", 0.5), ("keydiff", 0.2)}
+    assert {r["task"] for r in rows} == {"niah_single_1", "qa_1"}
+    assert all(0.0 <= r["score"] <= 100.0 and r["questions"] == 2 for r in rows)
+    assert (out / "results.csv").read_text().startswith("task,length,policy,keep_fraction,score,questions")
+    assert (out / "accuracy_vs_keep_fraction.png").stat().st_size > 1000
+    assert "| full | 1 |" in table(rows) and len(summarize(rows)) == 3
