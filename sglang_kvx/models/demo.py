@@ -54,14 +54,13 @@ def _tokenizer_ids(tok_dir: Path) -> dict[str, int]:
     return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
 
 
-def llama_config(ids: dict[str, int]):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _dense_config(config_cls, num_layers: int, ids: dict[str, int]):
+    """The tiny dense shape both dense demo architectures share."""
+    return config_cls(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=4,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -73,28 +72,19 @@ def llama_config(ids: dict[str, int]):
         dtype="float32",
         **ids,
     )
+
+
+def llama_config(ids: dict[str, int]):
+    from transformers import LlamaConfig
+
+    return _dense_config(LlamaConfig, 4, ids)
 
 
 def qwen3_config(ids: dict[str, int]):
     """Dense Qwen3: per-head q/k RMSNorm before RoPE."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=INIT_STD,
-        dtype="float32",
-        **ids,
-    )
+    return _dense_config(Qwen3Config, 2, ids)
 
 
 def hybrid_config(ids: dict[str, int]):
