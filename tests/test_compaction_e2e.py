@@ -196,3 +196,21 @@ def test_bad_compaction_requests_get_a_clear_error_and_the_server_keeps_serving(
         assert response.status_code == 400, response.text
         assert message in response.text, response.text
     assert generate(server, ref.encode(text(20, seed=32)), 4)["meta_info"]["completion_tokens"] == 4
+
+
+def test_idle_compacted_contexts_are_evicted_when_the_pool_fills(compacting):
+    """The store never starves SGLang: least recently used idle contexts go when a request needs room."""
+    name, server, ref = compacting
+    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    total = server.stats()["kv_pool_total_tokens"]
+    contexts = [ref.encode(text(500, seed=100 + i)) for i in range(12)]  # 12 x ~900 slots > the pool
+    for context in contexts:
+        compact(server, context, "knorm", 0.9)  # would hang if the store could not give way
+    stats = server.stats()
+    assert stats["contexts_evicted"] > 0 and stats["store_slots"] <= total
+    # The oldest context was evicted: its child is served as a plain request, from the full prefill.
+    question = ref.encode(" what now?")
+    body = ask(server, contexts[0], question, "knorm", 0.9, max_new_tokens=6)
+    assert body["output_ids"] == ref.greedy(contexts[0] + question, 6)
+    settled = wait_idle(server, total)
+    assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == total

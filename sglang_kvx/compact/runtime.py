@@ -60,6 +60,8 @@ class KvxRuntime:
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
         self.skipped_no_room = 0
+        self.evicted = 0
+        self.tree_cache = scheduler.tree_cache
         # Parents whose policy reads attention: their queries are captured during the prefill.
         self.captures: dict[int, _AttentionCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
@@ -112,6 +114,7 @@ class KvxRuntime:
             return not req.kv.holds_kv
         if req.output_ids or req.finished():
             return False
+        self.make_room(len(req.origin_input_ids) + req.sampling_params.max_new_tokens)
         if self.is_parent(req):
             self._check_parent(req)
             return False
@@ -132,7 +135,23 @@ class KvxRuntime:
         setattr(req, _CHILD, context)
         context.reuse_count += 1
         context.active_children += 1
+        context.last_used = time.monotonic()
         return True
+
+    def make_room(self, tokens: int) -> None:
+        """Evict idle compacted contexts, least recently used first, while the pool (free slots
+        plus what the radix tree can evict) cannot hold a waiting request of ``tokens`` tokens.
+        SGLang retries a request that does not fit, so this runs again until it does."""
+        tree_cache = self.tree_cache
+        while self.allocator.available_size() + tree_cache.evictable_size() < tokens:
+            idle = [c for c in self.store.contexts.values() if c.active_children == 0]
+            if not idle:
+                return
+            victim = min(idle, key=lambda c: c.last_used)
+            self.store.remove(victim)
+            self.allocator.free(victim.slots)
+            self.evicted += 1
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.k_max)
 
     def _check_parent(self, req) -> None:
         if getattr(req, _PARENT_CHECKED, False):
@@ -352,6 +371,7 @@ class KvxRuntime:
             "compacted_contexts": [c.summary() for c in self.store.contexts.values()],
             "store_slots": self.store.slots_held(),
             "compactions_skipped_no_room": self.skipped_no_room,
+            "contexts_evicted": self.evicted,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
                 {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()

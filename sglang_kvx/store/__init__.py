@@ -11,6 +11,7 @@ context are kept as a snapshot and restored into every child's state slot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ class CompactedContext:
     timings: dict[str, float] = field(default_factory=dict)
     reuse_count: int = 0
     active_children: int = 0
+    last_used: float = field(default_factory=time.monotonic)
 
     @property
     def n(self) -> int:
@@ -99,6 +101,9 @@ class ContextStore:
             ):
                 best = context
         return best
+
+    def remove(self, context: CompactedContext) -> None:
+        del self.contexts[self.key_of(context.context_ids, context.settings)]
 
     def slots_held(self) -> int:
         return sum(c.k_max for c in self.contexts.values())
