@@ -54,7 +54,7 @@ def main() -> None:
 
         prefill(context_ids(n, 999), {"compact": False})  # warm-up
         prefill_s = min(prefill(context_ids(n, 1000 + i), {"compact": False}) for i in range(2))
-        requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+        server.flush()
         result["prefill_s"] = round(prefill_s, 4)
         per_policy = {}
         for i, policy in enumerate(policies):
@@ -77,7 +77,7 @@ def main() -> None:
                 "kept_entries": entry["kept_entries"],
             }
         result["policies"] = per_policy
-        requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+        server.flush()
 
         # Capacity: keep compacting new contexts while a parent's full prefill still fits.
         sessions = 0

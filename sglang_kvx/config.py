@@ -16,11 +16,13 @@ from typing import Any
 from sglang_kvx.policies import ModelTraits, get_policy, policy_names
 
 # Policies the server can apply today: those reading keys and values (SGLang's
-# pool holds them) or attention (queries captured during the parent's prefill),
-# with one budget for every layer. pyramidkv needs per-layer budgets in the
-# attention kernels, not served yet; it scores offline (choose_keep_set, the HF
-# oracle). The launcher refuses a policy it cannot apply rather than ignore it.
-SERVABLE_POLICIES: frozenset[str] = frozenset({"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o"})
+# pool holds them) or attention (queries captured during the parent's prefill).
+# Per-layer budgets (pyramidkv) need the kvx_torch_native attention backend.
+# A registered policy outside this set scores offline only (choose_keep_set, the
+# HF oracle); the launcher refuses it rather than accept it and do nothing.
+SERVABLE_POLICIES: frozenset[str] = frozenset(
+    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv"}
+)
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
 # parsed here, so a bad value gets our one-line error rather than argparse's

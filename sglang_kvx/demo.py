@@ -10,7 +10,6 @@ import json
 import random
 import time
 
-import requests
 
 from sglang_kvx.models.demo import DEFAULT_MODEL, DEMO_MODELS, ensure_demo_models, weights_root
 from sglang_kvx.models.tokenizer import WORDS
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ServerProcess(model_path, "--kvx-policy", args.policy, "--kvx-keep-fraction", str(args.keep_fraction), max_total_tokens=16384)
     with server:
         print(f"[sglang-kvx demo] server ready in {server.startup_seconds:.1f} s at {server.url} (log: {server.log_path})")
-        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+        server.flush()
         summary = {}
         for label, kvx in (("full cache", {"compact": False}), (f"{args.policy} p={args.keep_fraction}", {})):
             # The context alone, prefill only: how SGLang's frontend commits a shared prefix.
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"it holds {held} KV slots of the pool")
             correct, latency = _answer_all(server, context, questions, kvx, args.max_new_tokens)
             summary[label] = {"correct": f"{correct}/{len(questions)}", "kv_slots_held": held, "mean_latency_s": round(latency, 3)}
-            requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+            server.flush()
         print("\n[sglang-kvx demo] summary:", json.dumps(summary))
     print("[sglang-kvx demo] server stopped.")
     return 0

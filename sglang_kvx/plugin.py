@@ -39,6 +39,7 @@ def load() -> None:
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _after_get_internal_state, HookType.AFTER
     )
     _register_platform_defaults()
+    _register_attention_backend()
     _register_gdn_backend()
     if multiprocessing.parent_process() is None:
         _register_http_routes()
@@ -97,9 +98,33 @@ def _register_platform_defaults() -> None:
 
         from sglang_kvx.platform.cpu import KvxCpuPlatform
 
-        if isinstance(current_platform, KvxCpuPlatform) and resolving_view(server_args).device is None:
-            declare_resolution(server_args, "sglang_kvx:cpu_platform", device="cpu")
+        if isinstance(current_platform, KvxCpuPlatform):
+            view = resolving_view(server_args)
+            if view.device is None:
+                declare_resolution(server_args, "sglang_kvx:cpu_platform", device="cpu")
+            # SGLang picks torch_native for device "cpu" before asking the platform.
+            if view.attention_backend is None:
+                declare_resolution(server_args, "sglang_kvx:cpu_platform", attention_backend=KVX_TORCH_ATTENTION)
         previous(server_args)
+
+
+KVX_TORCH_ATTENTION = "kvx_torch_native"
+
+
+def _register_attention_backend() -> None:
+    """SGLang's torch-native attention plus per-layer lengths of compacted prefixes (CPU default)."""
+    from sglang.srt.arg_groups.choices import add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if KVX_TORCH_ATTENTION in ATTENTION_BACKENDS:
+        return
+    add_attention_backend_choices([KVX_TORCH_ATTENTION])
+
+    @register_attention_backend(KVX_TORCH_ATTENTION)
+    def _create(runner):
+        from sglang_kvx.compact.attention import KvxTorchNativeAttnBackend
+
+        return KvxTorchNativeAttnBackend(runner)
 
 
 def _on_cpu_platform() -> bool:
@@ -187,9 +212,11 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
         missing = [t for t in _COMPACTION_TARGETS if t not in HookRegistry._patched]
         if missing:
             raise RuntimeError(f"sglang_kvx: SGLang hooks not applied: {', '.join(missing)}")
+        from sglang_kvx.compact.attention import KvxTorchNativeAttnBackend
         from sglang_kvx.compact.runtime import KvxRuntime
 
         _RUNTIME = KvxRuntime(scheduler, config)
+        KvxTorchNativeAttnBackend.dead_ranks = _RUNTIME.dead_ranks
 
 
 def _around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):

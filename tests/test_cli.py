@@ -24,8 +24,7 @@ def our_error_lines(stderr: str) -> list[str]:
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: h2o, keydiff, knorm, none, random, snapkv, streamingllm"),
-        (("--kvx-policy", "pyramidkv"), "--kvx-policy pyramidkv is not served yet (it scores offline); valid choices: h2o, keydiff, knorm, none, random, snapkv, streamingllm"),
+        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: h2o, keydiff, knorm, none, pyramidkv, random, snapkv, streamingllm"),
         (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be in (0, 1], got 0"),
         (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),

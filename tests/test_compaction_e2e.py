@@ -21,7 +21,7 @@ from sglang_kvx.serve.launcher import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-SERVED = ["random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o"]
+SERVED = ["random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv"]
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -143,17 +143,17 @@ def test_children_are_token_identical_to_a_fresh_run(compacting):
     compact(server, context, "keydiff", 0.25)
     reused = [ask(server, context, q, "keydiff", 0.25)["output_ids"] for q in questions]
     assert stored(server, len(context), "keydiff", 0.25)["reuse_count"] == 3
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     assert server.stats()["compacted_contexts"] == []
     for question, expected in zip(reversed(questions), reversed(reused)):
         compact(server, context, "keydiff", 0.25)
         assert ask(server, context, question, "keydiff", 0.25)["output_ids"] == expected
-        requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+        server.flush()
 
 
 def test_compaction_frees_the_context_and_nothing_leaks(compacting):
     name, server, ref = compacting
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     start = server.stats()
     total = start["kv_pool_total_tokens"]
     assert start["kv_pool_free_tokens"] == total and start["store_slots"] == 0
@@ -178,7 +178,7 @@ def test_compaction_frees_the_context_and_nothing_leaks(compacting):
                          "sampling_params": {**GREEDY, "max_new_tokens": 2000, **kvx("streamingllm", 0.1)}}, timeout=0.5)
     settled = wait_idle(server, total)  # SGLang's idle leak check runs now, counting the store like a session
     assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == total, settled
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     end = server.stats()
     assert end["kv_pool_free_tokens"] == total and end["store_slots"] == 0 and end["compacted_contexts"] == []
 
@@ -201,7 +201,7 @@ def test_bad_compaction_requests_get_a_clear_error_and_the_server_keeps_serving(
 def test_idle_compacted_contexts_are_evicted_when_the_pool_fills(compacting):
     """The store never starves SGLang: least recently used idle contexts go when a request needs room."""
     name, server, ref = compacting
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     total = server.stats()["kv_pool_total_tokens"]
     contexts = [ref.encode(text(500, seed=100 + i)) for i in range(12)]  # 12 x ~900 slots > the pool
     for context in contexts:

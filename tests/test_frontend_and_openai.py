@@ -52,7 +52,7 @@ def test_frontend_fork_compacts_the_shared_prefix_and_reuses_it(server):
             fork += question + sgl.gen("answer", max_tokens=8, temperature=0)
         s["answers"] = [fork["answer"] for fork in forks]
 
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     backend = sgl.RuntimeEndpoint(server.url)
     # SGLang's fork commits the shared prefix only if the context text is already applied when
     # fork() checks it; with the executor thread that check races, so run synchronously.
@@ -67,7 +67,7 @@ def test_frontend_fork_compacts_the_shared_prefix_and_reuses_it(server):
 
 
 def test_openai_completions_are_children_too(server):
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     commit = server.generate({"text": CONTEXT, "sampling_params": {"max_new_tokens": 0}})
     assert commit.status_code == 200
     response = requests.post(

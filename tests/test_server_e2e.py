@@ -123,7 +123,7 @@ def test_repeated_prompt_reports_cached_tokens(served):
 
 def test_kvx_stats_reads_the_real_pool(served):
     name, server, ref = served
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     idle = server.stats()
     assert idle["policy"] == "none" and idle["keep_fraction"] == 1.0
     assert idle["kv_pool_total_tokens"] > 0
@@ -134,7 +134,7 @@ def test_kvx_stats_reads_the_real_pool(served):
     # The finished request's tokens now sit in the radix cache, taken from the pool.
     assert busy["kv_pool_free_tokens"] <= idle["kv_pool_free_tokens"] - len(prompt), busy
     assert busy["kv_pool_free_tokens"] + busy["kv_pool_evictable_tokens"] == busy["kv_pool_total_tokens"], busy
-    requests.post(server.url + "/flush_cache", timeout=60).raise_for_status()
+    server.flush()
     assert server.stats()["kv_pool_free_tokens"] == idle["kv_pool_total_tokens"]
 
 

@@ -62,6 +62,12 @@ class KvxRuntime:
         self.skipped_no_room = 0
         self.evicted = 0
         self.tree_cache = scheduler.tree_cache
+        self.row_context: dict[int, CompactedContext] = {}
+        # Per-layer budgets (PyramidKV, gate) need attention that masks a layer's unused ranks.
+        from sglang_kvx.compact.attention import KvxTorchNativeAttnBackend
+
+        backend = runner.attn_backend
+        self.per_layer_lengths = isinstance(getattr(backend, "full_attn_backend", backend), KvxTorchNativeAttnBackend)
         # Parents whose policy reads attention: their queries are captured during the prefill.
         self.captures: dict[int, _AttentionCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
@@ -96,6 +102,8 @@ class KvxRuntime:
         if policy not in SERVABLE_POLICIES or policy == "none":
             valid = ", ".join(sorted(SERVABLE_POLICIES - {"none"}))
             raise KvxConfigError(f"kvx policy {policy!r} cannot compact here; valid choices: {valid}")
+        if self._policy(policy).allocation != "flat" and not self.per_layer_lengths:
+            raise KvxConfigError(f"kvx policy {policy!r} needs per-layer lengths: serve with --attention-backend kvx_torch_native")
         keep_fraction = parse_keep_fraction(params.get("keep_fraction", self.config.keep_fraction))
         protected = parse_protected_prefix_len(params.get("protected_prefix_len", self.config.protected_prefix_len))
         return policy, keep_fraction, protected
@@ -178,6 +186,7 @@ class KvxRuntime:
             row = req.kv.req_pool_idx
             context = getattr(req, _CHILD, None)
             if context is None:
+                self.row_context.pop(row, None)
                 self.position_offset[row] = 0
                 # An aborted parent (to_finish set on bad settings) is prefilled as one stub token.
                 if self.is_parent(req) and req.to_finish is None and not req.finished() and row not in self.captures:
@@ -191,11 +200,20 @@ class KvxRuntime:
                         )
                 continue
             self.position_offset[row] = context.n - context.k_max
+            self.row_context[row] = context
             if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
                 self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self._mamba_slot(req))
                 # SGLang zeroes a fresh request's state slot later in the same prepare step
                 # (a deferred clear); this slot now holds the parent's state instead.
                 req.kv.mamba_needs_clear = False
+
+    def dead_ranks(self, layer_id: int, row: int) -> tuple[int, int] | None:
+        """(k_max, K_l) when row ``row`` reads a compacted prefix whose layer keeps fewer than k_max."""
+        context = self.row_context.get(row)
+        if context is None:
+            return None
+        kept = context.kept_per_layer[self.layer_index[layer_id]]
+        return (context.k_max, kept) if kept < context.k_max else None
 
     def shift_positions(self, forward_batch) -> None:
         """Children's tokens continue from the true context length (RoPE), not the compacted one."""
@@ -256,6 +274,7 @@ class KvxRuntime:
                 context.active_children -= 1
             if req.kv.holds_kv:
                 self.position_offset[req.kv.req_pool_idx] = 0
+                self.row_context.pop(int(req.kv.req_pool_idx), None)
             return
         if not (req.finished() and self.is_parent(req) and req.kv.holds_kv):
             return
@@ -311,7 +330,6 @@ class KvxRuntime:
             for kv_head in range(self.num_kv_heads):
                 key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
                 value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
-        t3 = time.perf_counter()
         snapshot = None
         if self.mamba_pool is not None:
             snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
@@ -364,6 +382,7 @@ class KvxRuntime:
         """After SGLang flushed its pools (every slot is free again), drop the store's references."""
         self.store.contexts.clear()
         self.captures.clear()
+        self.row_context.clear()
         self.position_offset.zero_()
 
     def stats(self) -> dict[str, Any]:

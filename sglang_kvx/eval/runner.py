@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from sglang_kvx.eval.scoring import METRICS, postprocess
 from sglang_kvx.eval.tasks import SESSION_TASKS, TASKS, generate_sample, generate_session
+from sglang_kvx.serve.launcher import flush_cache
 
 FULL = "full"
 
@@ -70,7 +71,7 @@ def evaluate(
             for question, answers in turns:
                 prediction = _generate(url, context + question, max_new_tokens, kvx)["text"]
                 totals[(task, policy, p)].append(METRICS[task](postprocess(prediction), answers))
-        requests.post(url + "/flush_cache", timeout=60).raise_for_status()  # idle: every request finished
+        flush_cache(url)  # every request of this session finished: start the next from an empty pool
     return [
         {"task": task, "length": length, "policy": policy, "keep_fraction": p,
          "score": round(100 * sum(v) / len(v), 2), "questions": len(v)}
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         # The server's own policy is irrelevant: every request names its settings.
         with ServerProcess(model_path, "--kvx-policy", policies[0] if policies else "random",
                            "--context-length", str(args.length + args.max_new_tokens + 64),
-                           max_total_tokens=max(8192, 4 * args.length)) as server:
+                           max_total_tokens=max(16384, 16 * args.length)) as server:
             rows = run(server.url, AutoTokenizer.from_pretrained(model_path))
     out = Path(args.out)
     write(rows, out)

@@ -24,7 +24,9 @@ class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
     capabilities = PlatformCapabilities()
 
     def get_default_attention_backend(self) -> str:
-        return "torch_native"
+        # SGLang's torch-native attention, plus per-layer lengths for compacted prefixes
+        # (registered by the sglang_kvx plugin; identical to torch_native otherwise).
+        return "kvx_torch_native"
 
     def apply_server_args_defaults(self, server_args) -> None:
         # Defaults only: values the operator passed on the command line win.

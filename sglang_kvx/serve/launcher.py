@@ -24,6 +24,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def flush_cache(url: str, timeout: float = 60.0) -> None:
+    """POST /flush_cache, retrying while SGLang still counts a just-finished request as pending."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = requests.post(url + "/flush_cache", timeout=60)
+        if response.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            response.raise_for_status()
+        time.sleep(0.2)
+
+
 def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # GDN prefill on two threads hits a denormal slow path (0.2 s -> 17 s); one thread is stable.
@@ -122,6 +134,9 @@ class ServerProcess:
 
     def generate(self, payload: dict, timeout: float = 300.0) -> requests.Response:
         return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def flush(self) -> None:
+        flush_cache(self.url)
 
     def stats(self) -> dict:
         response = requests.get(self.url + "/kvx/stats", timeout=30)
