@@ -117,6 +117,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("kept fraction p")
     ax.set_ylabel("mean score (RULER, x100)")
     ax.set_xscale("log")
+    fractions = sorted({p for _, p in means})
+    ax.set_xticks(fractions, [f"{p:g}" for p in fractions])
+    ax.minorticks_off()
     ax.invert_xaxis()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -138,7 +141,7 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_kvx.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server; otherwise one is started on --model")
-    parser.add_argument("--model", default=None, help="model path (default: the embedded demo hybrid)")
+    parser.add_argument("--model", default=None, help="model path (default: weights/tiny-hybrid-ruler, the demo hybrid fine-tuned on these formats)")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=8)
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_kvx.serve.launcher import ServerProcess
 
         ensure_demo_models()
-        model_path = args.model or str(weights_root() / DEFAULT_MODEL)
+        suite_model = weights_root() / "tiny-hybrid-ruler"
+        model_path = args.model or str(suite_model if suite_model.exists() else weights_root() / DEFAULT_MODEL)
         # The server's own policy is irrelevant: every request names its settings.
         with ServerProcess(model_path, "--kvx-policy", policies[0] if policies else "random",
                            "--context-length", str(args.length + args.max_new_tokens + 64),

@@ -1,7 +1,7 @@
 """Fine-tune the demo hybrid on the evaluation suite's own formats (RULER templates).
 
     OMP_NUM_THREADS=1 python -m sglang_kvx.training.finetune_ruler --init weights/tiny-hybrid \\
-        --out weights/tiny-hybrid --minutes 8
+        --out weights/tiny-hybrid-ruler --minutes 9
 
 ``train_demo`` teaches retrieval in its own needle wording; the suite asks in RULER's
 (7-digit values, hyphenated keys, its question templates). This continues from a trained
@@ -84,7 +84,7 @@ def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 102
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init", default="weights/tiny-hybrid")
-    parser.add_argument("--out", default="weights/tiny-hybrid")
+    parser.add_argument("--out", default="weights/tiny-hybrid-ruler")
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
