@@ -126,8 +126,8 @@ class KvxRuntime:
         if self.is_parent(req):
             self._check_parent(req)
             return False
-        if not len(self.store):
-            return False
+        if not len(self.store) or self._kvx_params(req).get("compact") is False:
+            return False  # "compact": false asks for the full cache, as a parent and as a child
         try:
             settings = self.settings(req)
         except KvxConfigError as exc:
