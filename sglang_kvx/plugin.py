@@ -6,11 +6,15 @@ here goes through SGLang's own extension points:
 
 - ``HookRegistry`` hooks on the argument parser (our ``--kvx-*`` flags) and on
   ``ServerArgs.from_cli_args`` (validation before any model loads);
-- ``register_resolution_hook`` for a CPU-platform default;
-- ``register_linear_attn_backend``-style registration of the pure-torch GDN
-  backend (see ``_register_gdn_backend``);
+- ``register_resolution_hook`` for CPU-platform defaults;
+- ``register_attention_backend`` for ``kvx_torch_native`` (torch attention with
+  per-layer lengths of compacted prefixes);
+- on the CPU platform only, a class swap of ``GDNAttnBackend`` for the pure-torch
+  GDN backend and torch stand-ins for three Triton calls (no GDN registry exists);
+- in scheduler processes, narrow hooks around the functions that decide a
+  request's prefix, positions and release (see ``_register_compaction_hooks``);
 - an AFTER hook on ``Scheduler.get_internal_state`` that reports our stats
-  from SGLang's real pools, and a FastAPI route on SGLang's own app.
+  from SGLang's real pools, and FastAPI routes on SGLang's own app.
 """
 
 from __future__ import annotations
