@@ -214,3 +214,15 @@ def test_idle_compacted_contexts_are_evicted_when_the_pool_fills(compacting):
     assert body["output_ids"] == ref.greedy(contexts[0] + question, 6)
     settled = wait_idle(server, total)
     assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == total
+
+
+def test_a_full_cache_request_never_adopts_a_compacted_context(compacting):
+    name, server, ref = compacting
+    context = ref.encode(text(150, seed=41))
+    question = ref.encode(" and then?")
+    compact(server, context, "knorm", 0.5)  # the server's default settings: knorm, p = 0.5
+    full = generate(server, context + question, 6, sampling={"custom_params": {"kvx": {"compact": False}}})
+    assert full["output_ids"] == ref.greedy(context + question, 6)
+    assert stored(server, len(context), "knorm", 0.5)["reuse_count"] == 0
+    child = generate(server, context + question, 6)  # no settings: the server's, so it is a child
+    assert child["meta_info"]["cached_tokens"] == stored(server, len(context), "knorm", 0.5)["slots"]
