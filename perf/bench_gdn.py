@@ -36,7 +36,8 @@ def main() -> None:
     v = torch.randn(T, Hv, D)
     g, beta = -torch.rand(T, Hv) * 0.1, torch.rand(T, Hv)
     chunked = timed(lambda: gated_delta_rule_chunked(q, k, v, g, beta))
-    recurrent = timed(lambda: gated_delta_rule_recurrent(q[:512], k[:512], v[:512], g[:512], beta[:512]), repeat=1) * T / 512
+    state = torch.zeros(Hv, D, D)
+    recurrent = timed(lambda: gated_delta_rule_recurrent(q[:512], k[:512], v[:512], g[:512], beta[:512], state), repeat=1) * T / 512
     result = {
         "tokens": T,
         "threads": torch.get_num_threads(),
