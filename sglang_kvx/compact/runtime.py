@@ -122,20 +122,25 @@ class KvxRuntime:
             return not req.kv.holds_kv
         if req.output_ids or req.finished():
             return False
-        self.make_room(len(req.origin_input_ids) + req.sampling_params.max_new_tokens)
+        wanted = len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0)
         if self.is_parent(req):
+            self.make_room(wanted)
             self._check_parent(req)
             return False
-        if not len(self.store) or self._kvx_params(req).get("compact") is False:
-            return False  # "compact": false asks for the full cache, as a parent and as a child
-        try:
-            settings = self.settings(req)
-        except KvxConfigError as exc:
-            req.set_finish_with_abort(f"sglang_kvx: {exc}")
-            return False
-        context = self.store.longest_prefix_of(req.origin_input_ids, settings)
+        context = None
+        if len(self.store) and self._kvx_params(req).get("compact") is not False:
+            # ("compact": false asks for the full cache, as a parent and as a child.)
+            try:
+                settings = self.settings(req)
+            except KvxConfigError as exc:
+                req.set_finish_with_abort(f"sglang_kvx: {exc}")
+                return False
+            context = self.store.longest_prefix_of(req.origin_input_ids, settings)
         if context is None:
+            self.make_room(wanted)
             return False
+        # Room for the child's own tokens, never by evicting the context it is about to read.
+        self.make_room(wanted - context.n, keep=context)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(req.origin_input_ids[context.n :])
         req.origin_input_ids = array("q", list(context.context_ids[: context.k_max]) + question)
@@ -146,13 +151,13 @@ class KvxRuntime:
         context.last_used = time.monotonic()
         return True
 
-    def make_room(self, tokens: int) -> None:
+    def make_room(self, tokens: int, keep: CompactedContext | None = None) -> None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots
         plus what the radix tree can evict) cannot hold a waiting request of ``tokens`` tokens.
         SGLang retries a request that does not fit, so this runs again until it does."""
         tree_cache = self.tree_cache
         while self.allocator.available_size() + tree_cache.evictable_size() < tokens:
-            idle = [c for c in self.store.contexts.values() if c.active_children == 0]
+            idle = [c for c in self.store.contexts.values() if c.active_children == 0 and c is not keep]
             if not idle:
                 return
             victim = min(idle, key=lambda c: c.last_used)
