@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from sglang_kvx.ops.gdn import (
     causal_conv1d,
+    causal_conv1d_step,
     gated_delta_rule_chunked,
     gated_delta_rule_recurrent,
     gated_delta_rule_step,
@@ -78,6 +79,13 @@ def test_causal_conv_matches_conv1d_and_carries_state():
     y2, s2 = causal_conv1d(x[20:], w, bias, s1, "silu")
     torch.testing.assert_close(torch.cat([y1, y2]), expected, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(s2, state)
+    # Token by token from the prefix's state: the decode step continues the same convolution.
+    y_steps, carried = [], s1[None]
+    for t in range(20, T):
+        y_t, carried = causal_conv1d_step(x[t : t + 1], carried, w, bias, "silu")
+        y_steps.append(y_t)
+    torch.testing.assert_close(torch.cat(y_steps), expected[20:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(carried[0], state)
 
 
 def test_gates_follow_the_definition():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
 
-from sglang_kvx.ops.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_step, gdn_gates
+from sglang_kvx.ops.gdn import causal_conv1d, causal_conv1d_step, gated_delta_rule_chunked, gated_delta_rule_step, gdn_gates
 
 
 class TorchGDNAttnBackend(MambaAttnBackendBase):
@@ -82,14 +82,8 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
         if rows.numel():
             live = slots[rows]
             x = mixed_qkv[:bs][rows]  # [B, C]
-            window = torch.cat([conv_states[live], x[:, :, None].to(conv_states.dtype)], dim=-1)  # [B, C, K]
-            y = (window.float() * layer.conv_weights.float()).sum(-1)
-            if layer.bias is not None:
-                y = y + layer.bias.float()
-            if layer.activation in ("silu", "swish"):
-                y = torch.nn.functional.silu(y)
-            conv_states[live] = window[:, :, 1:]
-            q, k, v = self._split_heads(y.to(mixed_qkv.dtype), layer)
+            y, conv_states[live] = causal_conv1d_step(x, conv_states[live], layer.conv_weights, layer.bias, layer.activation)
+            q, k, v = self._split_heads(y, layer)
             g, beta = gdn_gates(layer.A_log, a[:bs][rows], b[:bs][rows], layer.dt_bias)
             o, state = gated_delta_rule_step(q, k, v, g, beta, ssm_states[live].transpose(-1, -2))
             ssm_states[live] = state.transpose(-1, -2).to(ssm_states.dtype)

@@ -126,11 +126,26 @@ def causal_conv1d(
     y = (windows.float() * weight.float()[:, None, :]).sum(-1)
     if bias is not None:
         y = y + bias.float()[:, None]
+    return _activate(y, activation).transpose(0, 1).to(x.dtype), padded[:, -(K - 1):].clone()
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per sequence: x [B, C], conv_state [B, C, K-1] -> (y [B, C], new state [B, C, K-1])."""
+    window = torch.cat([conv_state, x[:, :, None].to(conv_state.dtype)], dim=-1)  # [B, C, K]
+    y = (window.float() * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    return _activate(y, activation).to(x.dtype), window[:, :, 1:]
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation in ("silu", "swish"):
-        y = F.silu(y)
-    elif activation is not None:
+        return F.silu(y)
+    if activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
-    return y.transpose(0, 1).to(x.dtype), padded[:, -(K - 1):].clone()
+    return y
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
