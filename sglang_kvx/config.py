@@ -16,12 +16,14 @@ from typing import Any
 from sglang_kvx.policies import ModelTraits, get_policy, policy_names
 
 # Policies the server can apply today: those reading keys and values (SGLang's
-# pool holds them) or attention (queries captured during the parent's prefill).
+# pool holds them), attention or query statistics (queries captured during the
+# parent's prefill), and GDN signals / output gates (captured the same way).
+# KVzip's second, context-repeating pass has no place in SGLang's scheduler yet.
 # Per-layer budgets (pyramidkv) need the kvx_torch_native attention backend.
 # A registered policy outside this set scores offline only (choose_keep_set, the
 # HF oracle); the launcher refuses it rather than accept it and do nothing.
 SERVABLE_POLICIES: frozenset[str] = frozenset(
-    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv"}
+    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv", "triattention", "gatesight"}
 )
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
@@ -31,6 +33,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_policy": ("none", "KV policy applied after a context's prefill ('none' = plain SGLang)."),
     "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
     "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
+    "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
 }
 
 
@@ -43,6 +46,8 @@ class KvxConfig:
     policy: str = "none"
     keep_fraction: float = 1.0
     protected_prefix_len: int = 0
+    estimator: str = ""  # GateSight estimator folder; "" = find the one trained for the model
+    model_path: str = ""
 
     @property
     def enabled(self) -> bool:
@@ -105,6 +110,7 @@ def build_config(
     keep_fraction: str | float = 1.0,
     model_path: str | None = None,
     protected_prefix_len: str | int = 0,
+    estimator: str = "",
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     servable = ", ".join(sorted(SERVABLE_POLICIES))
@@ -119,6 +125,8 @@ def build_config(
         policy=policy,
         keep_fraction=parse_keep_fraction(keep_fraction),
         protected_prefix_len=parse_protected_prefix_len(protected_prefix_len),
+        estimator=str(estimator or ""),
+        model_path=str(model_path or ""),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
@@ -129,4 +137,22 @@ def build_config(
             policy_cls.check_model(traits)
         except ValueError as exc:
             raise KvxConfigError(str(exc)) from None
+    if policy == "gatesight" or estimator:
+        make_policy(policy, config)  # finds and checks the estimator now, not at the first request
     return config
+
+
+def policy_options(name: str, config: KvxConfig) -> dict[str, Any]:
+    """Constructor options a served policy takes from the server's config."""
+    if name == "gatesight":
+        return {"estimator": config.estimator or None, "model_path": config.model_path or None}
+    return {}
+
+
+def make_policy(name: str, config: KvxConfig):
+    """The policy object a server applies; a policy that cannot load (GateSight without estimators
+    for this model) raises KvxConfigError with the reason."""
+    try:
+        return get_policy(name)(**policy_options(name, config))
+    except (ValueError, FileNotFoundError) as exc:
+        raise KvxConfigError(str(exc)) from None

@@ -10,8 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def Engine(*, kvx_policy: str = "none", kvx_keep_fraction: float | str = 1.0, **kwargs: Any):
-    """``sglang.Engine`` with ``--kvx-policy`` / ``--kvx-keep-fraction`` given as keywords."""
+def Engine(
+    *,
+    kvx_policy: str = "none",
+    kvx_keep_fraction: float | str = 1.0,
+    kvx_protected_prefix_len: int | str = 0,
+    kvx_estimator: str = "",
+    **kwargs: Any,
+):
+    """``sglang.Engine`` with the ``--kvx-*`` flags given as keywords."""
     import sglang
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
@@ -20,7 +27,7 @@ def Engine(*, kvx_policy: str = "none", kvx_keep_fraction: float | str = 1.0, **
     from sglang_kvx.plugin import attach_config
 
     load_plugins()  # hooks must be in place before ServerArgs is built
-    config = build_config(kvx_policy, kvx_keep_fraction, kwargs.get("model_path"))
+    config = build_config(kvx_policy, kvx_keep_fraction, kwargs.get("model_path"), kvx_protected_prefix_len, kvx_estimator)
     kwargs.setdefault("log_level", "error")
     server_args = ServerArgs(**kwargs)
     attach_config(server_args, config)

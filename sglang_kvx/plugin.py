@@ -66,6 +66,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             keep_fraction=getattr(args, "kvx_keep_fraction", "1.0"),
             model_path=getattr(args, "model_path", None),
             protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
+            estimator=getattr(args, "kvx_estimator", ""),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
@@ -193,6 +194,10 @@ def _register_compaction_hooks() -> None:
         "sglang.srt.mem_cache.common.release_kv_cache": (_around_release_kv_cache, HookType.AROUND),
         # Backend-agnostic: every attention backend runs under RadixAttention.forward.
         "sglang.srt.layers.radix_attention.RadixAttention.forward": (_after_attention, HookType.AFTER),
+        # GateSight's GDN signals: every GDN backend (ours on CPU, SGLang's on GPU) runs under it.
+        "sglang.srt.layers.radix_linear_attention.RadixLinearAttention.forward": (_around_linear_attention, HookType.AROUND),
+        # Qwen3.5's gated attention computes its output gate here (GateSight's layer budgets).
+        "sglang.srt.models.qwen3_5.Qwen3_5AttentionDecoderLayer._prepare_qkv_gate": (_after_prepare_qkv_gate, HookType.AFTER),
         # SGLang's idle leak check balances the pool against what the tree and
         # sessions hold; the store holds slots the same way a session does.
         "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver.session_held_tokens": (
@@ -261,6 +266,26 @@ def _after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
     if _RUNTIME is not None and _RUNTIME.captures:
         _RUNTIME.capture_attention(layer, q, forward_batch)
     return output
+
+
+def _around_linear_attention(original, layer, forward_batch, *args, **kwargs):
+    if _RUNTIME is not None and _RUNTIME.captures:
+        mixed_qkv, a, b = _linear_attention_inputs(args, kwargs)
+        _RUNTIME.capture_gdn(layer, forward_batch, mixed_qkv, a, b)
+    return original(layer, forward_batch, *args, **kwargs)
+
+
+def _linear_attention_inputs(args, kwargs):
+    names = ("mixed_qkv", "a", "b")
+    values = dict(zip(names, args))
+    values.update({k: kwargs[k] for k in names if k in kwargs})
+    return values["mixed_qkv"], values["a"], values["b"]
+
+
+def _after_prepare_qkv_gate(result, decoder_layer, positions, hidden_states, forward_batch, *args, **kwargs):
+    if _RUNTIME is not None and _RUNTIME.captures and result[3] is not None:
+        _RUNTIME.capture_output_gate(decoder_layer.attn.layer_id, result[3], forward_batch)
+    return result
 
 
 def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):

@@ -29,12 +29,12 @@ from sglang_kvx.config import (
     SERVABLE_POLICIES,
     KvxConfig,
     KvxConfigError,
+    make_policy,
     parse_keep_fraction,
     parse_protected_prefix_len,
 )
-from sglang_kvx.policies import get_policy
 from sglang_kvx.select import choose_keep_set
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import ContextSignals, GDNLayerSignals
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,13 @@ class KvxRuntime:
         full_ids = getattr(hf, "full_attention_layer_ids", None)
         self.attention_layer_ids = list(full_ids) if full_ids is not None else list(range(hf.num_hidden_layers))
         self.num_q_heads = hf.num_attention_heads
+        self.hf_config = hf
+        self.gdn_layer_ids = list(getattr(hf, "linear_layer_ids", None) or [])
+        self._inv_freq: torch.Tensor | None = None
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
         self.skipped_no_room = 0
+        self.failed: list[str] = []  # why compactions failed (the context then stays uncompacted)
         self.evicted = 0
         self.tree_cache = scheduler.tree_cache
         self.row_context: dict[int, CompactedContext] = {}
@@ -69,7 +73,7 @@ class KvxRuntime:
         backend = runner.attn_backend
         self.per_layer_lengths = isinstance(getattr(backend, "full_attn_backend", backend), KvxTorchNativeAttnBackend)
         # Parents whose policy reads attention: their queries are captured during the prefill.
-        self.captures: dict[int, _AttentionCapture] = {}
+        self.captures: dict[int, _ParentCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
         # True-position offset of each request row's tokens (n - k_max for a child, else 0).
         self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
@@ -110,7 +114,7 @@ class KvxRuntime:
 
     def _policy(self, name: str):
         if name not in self._policies:
-            self._policies[name] = get_policy(name)()
+            self._policies[name] = make_policy(name, self.config)
         return self._policies[name]
 
     # --- requests entering a prefill ------------------------------------------------
@@ -196,12 +200,14 @@ class KvxRuntime:
                 # An aborted parent (to_finish set on bad settings) is prefilled as one stub token.
                 if self.is_parent(req) and req.to_finish is None and not req.finished() and row not in self.captures:
                     policy = self._policy(self.settings(req)[0])
-                    if "attention" in policy.needs:
-                        self.captures[row] = _AttentionCapture(
+                    wanted = policy.needs & CAPTURED_SIGNALS
+                    if wanted:
+                        self.captures[row] = _ParentCapture(
                             n=len(req.origin_input_ids),
                             num_layers=len(self.attention_layer_ids),
-                            window=getattr(policy, "window_size", WINDOW),
+                            window=getattr(policy, "window_size", WINDOW) if "attention" in wanted else 0,
                             column_sums=getattr(policy, "reads_column_sums", False),
+                            signals=wanted,
                         )
                 continue
             self.position_offset[row] = context.n - context.k_max
@@ -256,7 +262,14 @@ class KvxRuntime:
             if capture is None:
                 continue
             queries = q[starts[i] : starts[i] + lengths[i]].reshape(-1, num_q_heads, head_dim).float()
-            capture.add_window(layer_index, queries)
+            if capture.window:
+                capture.add_window(layer_index, queries)
+            if "queries" in capture.signals:
+                from sglang_kvx.policies.triattention import query_statistics
+
+                positions = prefixes[i] + torch.arange(queries.shape[0], device=queries.device)
+                capture.add(capture.query_stats, layer_index,
+                            query_statistics(queries.transpose(0, 1), positions, self.rope_inv_freq()))
             if capture.column_sums:
                 seq_len = prefixes[i] + lengths[i]
                 keys = key_buffer[self.req_to_token_pool.req_to_token[row, :seq_len].to(torch.long)].float()
@@ -269,6 +282,61 @@ class KvxRuntime:
                     future = torch.arange(seq_len)[None, :] > query_pos[:, None]
                     probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
                     sums[:, :seq_len] += probs.sum(dim=1)
+
+    def _parent_rows(self, forward_batch):
+        """(row index in batch, capture, token start, token count) of the parents in an extend batch."""
+        if not forward_batch.forward_mode.is_extend():
+            return []
+        rows = forward_batch.req_pool_indices.tolist()
+        starts = forward_batch.extend_start_loc.tolist()
+        lengths = forward_batch.extend_seq_lens_cpu
+        return [(i, self.captures[row], starts[i], lengths[i]) for i, row in enumerate(rows) if row in self.captures]
+
+    def capture_gdn(self, layer, forward_batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Before a GDN layer runs: its write gate beta, log-decay g and written-value norm ||v||
+        (after the causal conv, as the delta rule sees v) for every parent token in the batch."""
+        from sglang_kvx.ops.gdn import causal_conv1d, gdn_gates
+
+        if not isinstance(mixed_qkv, torch.Tensor):
+            raise NotImplementedError("sglang_kvx: GDN signal capture needs the unfused mixed_qkv projection")
+        v_channels = slice(layer.q_dim + layer.k_dim, layer.q_dim + layer.k_dim + layer.v_dim)
+        weight = layer.conv_weights[v_channels]
+        bias = layer.bias[v_channels] if layer.bias is not None else None
+        for _, capture, start, length in self._parent_rows(forward_batch):
+            if "gdn" not in capture.signals:
+                continue
+            g, beta = gdn_gates(layer.A_log, a[start : start + length], b[start : start + length], layer.dt_bias)
+            # A later prefill chunk continues the conv from the previous chunk's last inputs.
+            tail = capture.conv_tail.get(layer.layer_id)
+            v, capture.conv_tail[layer.layer_id] = causal_conv1d(
+                mixed_qkv[start : start + length, v_channels].float(), weight, bias, tail, layer.activation
+            )
+            v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
+            capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
+
+    def capture_output_gate(self, layer_id: int, gate: torch.Tensor, forward_batch) -> None:
+        """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""
+        layer_index = self.layer_index.get(layer_id)
+        if layer_index is None:
+            return
+        for _, capture, start, length in self._parent_rows(forward_batch):
+            if "output_gate" in capture.signals:
+                per_head = gate[start : start + length].reshape(length, self.num_q_heads, -1)
+                capture.add(capture.gates, layer_index, torch.sigmoid(per_head.float()).mean(dim=-1))
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """The model's RoPE frequencies (default RoPE; partial rotary as configured)."""
+        if self._inv_freq is None:
+            hf = self.hf_config
+            params = getattr(hf, "rope_parameters", None) or {}
+            rope_type = params.get("rope_type", "default")
+            if rope_type != "default":
+                raise NotImplementedError(f"sglang_kvx: query statistics for rope_type {rope_type!r}")
+            theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+            partial = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)))
+            rotary_dim = int(self.head_dim * partial)
+            self._inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+        return self._inv_freq
 
     # --- requests leaving ---------------------------------------------------------------
 
@@ -291,7 +359,14 @@ class KvxRuntime:
             self.captures.pop(int(req.kv.req_pool_idx), None)
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
             return
-        if self.compact(req, settings) is not None:
+        try:
+            compacted = self.compact(req, settings)
+        except Exception as exc:  # one bad context must not stop the scheduler serving everyone else
+            self.captures.pop(int(req.kv.req_pool_idx), None)
+            self.failed.append(f"{type(exc).__name__}: {exc}")
+            logger.exception("sglang_kvx: compaction of a %d-token context failed; it stays uncompacted", len(req.origin_input_ids))
+            return
+        if compacted is not None:
             req.skip_radix_cache_insert = True  # SGLang frees every other slot of the full context
 
     def compact(self, req, settings: tuple[str, float, int]) -> CompactedContext | None:
@@ -315,8 +390,7 @@ class KvxRuntime:
         )
         capture = self.captures.pop(int(req.kv.req_pool_idx), None)
         if capture is not None:
-            signals.window_queries = [w.transpose(0, 1) for w in capture.window_queries]
-            signals.attention_column_sums = capture.column_sums_per_layer
+            capture.fill(signals, self.gdn_layer_ids, self.attention_layer_ids)
         t1 = time.perf_counter()
         keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
         t2 = time.perf_counter()
@@ -395,6 +469,8 @@ class KvxRuntime:
             "compacted_contexts": [c.summary() for c in self.store.contexts.values()],
             "store_slots": self.store.slots_held(),
             "compactions_skipped_no_room": self.skipped_no_room,
+            "compactions_failed": len(self.failed),
+            "last_compaction_error": self.failed[-1] if self.failed else None,
             "contexts_evicted": self.evicted,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
@@ -408,15 +484,31 @@ def _aborted(req) -> bool:
     return reason is not None and type(reason).__name__ == "FINISH_ABORT"
 
 
-class _AttentionCapture:
-    """Per parent: the last ``window`` queries of each attention layer, and optional column sums."""
+# Signals captured during a parent's prefill (the rest, keys and values, are read from the pool).
+CAPTURED_SIGNALS = frozenset({"attention", "gdn", "output_gate", "queries"})
 
-    def __init__(self, n: int, num_layers: int, window: int, column_sums: bool) -> None:
+
+class _ParentCapture:
+    """Per parent, what its policy reads from inside the prefill, gathered chunk by chunk:
+    the last ``window`` queries and optional column sums per attention layer (SnapKV, H2O),
+    query statistics (TriAttention), output gates per attention layer and beta / g / ||v|| per
+    GDN layer (GateSight)."""
+
+    def __init__(self, n: int, num_layers: int, window: int, column_sums: bool, signals: frozenset[str]) -> None:
         self.n = n
         self.window = window
         self.column_sums = column_sums
+        self.signals = signals
         self.window_queries: list[torch.Tensor | None] = [None] * num_layers  # [w, Hq, D]
         self._sums: list[torch.Tensor | None] = [None] * num_layers
+        self.gates: dict[int, list[torch.Tensor]] = {}  # attention layer index -> chunks [t, Hq]
+        self.gdn: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # GDN layer id -> chunks of (beta, g, v_norm)
+        self.query_stats: dict[int, list[Any]] = {}  # attention layer index -> per-chunk QueryStatistics
+        self.conv_tail: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def add(store: dict, key: int, value) -> None:
+        store.setdefault(key, []).append(value)
 
     def add_window(self, layer: int, queries: torch.Tensor) -> None:
         # Chunked prefill: a later chunk's queries push the earlier ones out of the window.
@@ -429,6 +521,23 @@ class _AttentionCapture:
             self._sums[layer] = torch.zeros(self.window_queries[layer].shape[1], self.n)
         return self._sums[layer]
 
-    @property
-    def column_sums_per_layer(self) -> list[torch.Tensor] | None:
-        return list(self._sums) if self.column_sums else None
+    def fill(self, signals: ContextSignals, gdn_layer_ids: list[int], attention_layer_ids: list[int]) -> None:
+        """Put everything captured into ``signals`` (a parent seen whole: n tokens per signal)."""
+        if self.window:
+            signals.window_queries = [w.transpose(0, 1) for w in self.window_queries]
+        if self.column_sums:
+            signals.attention_column_sums = list(self._sums)
+        if "output_gate" in self.signals:
+            if len(self.gates) != len(attention_layer_ids):
+                raise RuntimeError("sglang_kvx: this model's attention layers reported no output gate")
+            signals.output_gate = [torch.cat(self.gates[i]) for i in range(len(attention_layer_ids))]
+        if "gdn" in self.signals:
+            signals.gdn = [
+                GDNLayerSignals(*(torch.cat([chunk[k] for chunk in self.gdn[layer_id]]) for k in range(3)))
+                for layer_id in gdn_layer_ids
+            ]
+            signals.gdn_layer_of_attention = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]
+        if "queries" in self.signals:
+            from sglang_kvx.policies.triattention import combine_query_statistics
+
+            signals.query_statistics = [combine_query_statistics(self.query_stats[i]) for i in range(len(attention_layer_ids))]

@@ -28,7 +28,9 @@ class ModelTraits:
 
     @property
     def signals(self) -> frozenset[str]:
-        signals = {"keys", "values", "attention"}
+        # "queries": the context's own query statistics (TriAttention); "reconstruction": KVzip's
+        # second, context-repeating pass. Any attention model can produce both.
+        signals = {"keys", "values", "attention", "queries", "reconstruction"}
         if self.has_gdn:
             signals.add("gdn")
         if self.has_output_gate:
@@ -59,6 +61,10 @@ class KVPolicy:
     def allocation_options(self) -> dict[str, Any]:
         """Keyword options this policy passes to its allocation (PyramidKV's beta)."""
         return {}
+
+    def score_layers(self, signals: ContextSignals, budgets: list[int]) -> list[torch.Tensor]:
+        """Every layer's scores; a policy that scores all layers in one batched op overrides this."""
+        return [self.score(signals, layer, budget=budget) for layer, budget in enumerate(budgets)]
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         """Utility of every entry of attention layer ``layer``: float [num_kv_heads, n], higher = keep.

@@ -7,6 +7,7 @@ oracle) without a server. One forward pass, nothing recomputed:
 - keys / values / window queries: a capturing attention function (registered in
   transformers' AttentionInterface) sees each attention layer's post-RoPE q, k, v;
 - attention column sums (H2O): computed there, one query block at a time;
+- query statistics (TriAttention): there too, from all context queries un-rotated with their positions;
 - output gate (Qwen3.5 / Qwen3-Next): a forward hook on each attention q_proj;
 - GDN beta, g, ||v||: the module-level chunked delta rule is wrapped for the pass.
 """
@@ -19,17 +20,20 @@ from typing import Iterator
 
 import torch
 
+from sglang_kvx.policies.triattention import query_statistics
 from sglang_kvx.reference.hf import HFReference
-from sglang_kvx.signals import ContextSignals, GDNLayerSignals
+from sglang_kvx.signals import ContextSignals, GDNLayerSignals, QueryStatistics
 
 CAPTURE_ATTENTION = "kvx_signal_capture"
 _QUERY_BLOCK = 256
 
 
 class _Capture:
-    def __init__(self, window: int, column_sums: bool) -> None:
+    def __init__(self, window: int, column_sums: bool, inv_freq: torch.Tensor | None = None) -> None:
         self.window = window
         self.column_sums = column_sums
+        self.inv_freq = inv_freq  # RoPE frequencies: record query statistics when set
+        self.query_statistics: list[QueryStatistics] = []
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.window_queries: list[torch.Tensor] = []
@@ -65,6 +69,8 @@ def _capturing_attention(module, query, key, value, attention_mask, scaling, dro
         capture.window_queries.append(q[:, max(0, n - capture.window):].clone())
         if col_sums is not None:
             capture.attention_column_sums.append(col_sums)
+        if capture.inv_freq is not None:
+            capture.query_statistics.append(query_statistics(q, torch.arange(n), capture.inv_freq))
     return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
 
 
@@ -99,6 +105,7 @@ def context_signals(
     window: int = 64,
     protected_prefix_len: int = 0,
     column_sums: bool = True,
+    queries: bool = True,
 ) -> ContextSignals:
     """Prefill ``context_ids`` once in HF and return everything a policy may read."""
     global _active
@@ -106,7 +113,7 @@ def context_signals(
 
     model, config = ref.model, ref.model.config
     AttentionInterface.register(CAPTURE_ATTENTION, _capturing_attention)
-    capture = _Capture(window=window, column_sums=column_sums)
+    capture = _Capture(window=window, column_sums=column_sums, inv_freq=rope_inv_freq(model) if queries else None)
     hooks = []
     layers = model.model.layers
     attention_ids = ref.attention_layer_ids
@@ -145,11 +152,17 @@ def context_signals(
         window_queries=capture.window_queries,
         attention_column_sums=capture.attention_column_sums if column_sums else None,
         output_gate=capture.gates or None,
+        query_statistics=capture.query_statistics or None,
         gdn=capture.gdn,
         gdn_layer_of_attention=gdn_before,
         protected_prefix_len=protected_prefix_len,
         rope_theta=_rope_theta(config),
     )
+
+
+def rope_inv_freq(model) -> torch.Tensor:
+    """The RoPE frequencies the model rotates its queries and keys with: [rotary_dim / 2]."""
+    return model.model.rotary_emb.inv_freq.detach().float().cpu()
 
 
 def _rope_theta(config) -> float | None:

@@ -79,11 +79,9 @@ def choose_keep_set(
     name = allocation or policy.allocation
     options = policy.allocation_options if name == policy.allocation else {}
     budgets = layer_budgets(name, keep_fraction, signals.n - protected, signals.num_layers, signals, **options)
-    scores = []
-    for layer, budget in enumerate(budgets):
-        layer_scores = policy.score(signals, layer, budget=budget)
+    scores = policy.score_layers(signals, budgets)
+    for layer, layer_scores in enumerate(scores):
         expected = (signals.num_kv_heads, signals.n)
         if tuple(layer_scores.shape) != expected:
             raise ValueError(f"policy {policy.name!r} scored layer {layer} as {tuple(layer_scores.shape)}, expected {expected}")
-        scores.append(layer_scores)
     return select_keep_set(scores, budgets, protected)

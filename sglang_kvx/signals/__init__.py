@@ -27,6 +27,33 @@ class GDNLayerSignals:
 
 
 @dataclass
+class QueryStatistics:
+    """TriAttention's query centre and magnitudes for one attention layer, from the context's own queries.
+
+    Every query is first un-rotated to position 0 (RoPE inverted with its own position), so the
+    statistics describe the position-free (pre-RoPE) queries. Layout follows the model's RoPE
+    (rotate-half): of the first rotary_dim = 2 * len(inv_freq) dims, dims f and f + rotary_dim/2
+    form frequency pair f (one complex number, rotated by angle position * inv_freq[f]); the
+    remaining head_dim - rotary_dim dims are not rotated (partial rotary).
+
+    center: [q_heads, head_dim], mean un-rotated query E[q].
+    magnitude: [q_heads, rotary_dim/2 + head_dim - rotary_dim], mean norm E[|q_f|] of each
+        frequency pair, then of each non-rotated dim.
+    inv_freq: [rotary_dim/2], RoPE angular frequency of each pair (radians per position).
+    count: how many queries (per head) the means cover.
+    """
+
+    center: torch.Tensor
+    magnitude: torch.Tensor
+    inv_freq: torch.Tensor
+    count: int
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+
+@dataclass
 class ContextSignals:
     """Signals of one prefilled context of ``n`` tokens.
 
@@ -36,6 +63,13 @@ class ContextSignals:
     attention_column_sums: per attention layer [q_heads, n], sum over every context query of its
         softmax attention to each key (H2O's accumulated attention).
     output_gate: per attention layer [n, q_heads], mean |sigmoid(gate)| of the gated attention output.
+    query_statistics: per attention layer, the QueryStatistics of all n context queries
+        (TriAttention); sglang_kvx.policies.triattention.query_statistics makes one from the
+        post-RoPE queries and their positions.
+    reconstruction_attention: per attention layer [kv_heads, n], KVzip's score: the max softmax
+        attention each entry receives from the queries of a second pass that repeats the context
+        (max over the query heads of its KV group and over the reconstruction queries); made by
+        sglang_kvx.policies.kvzip.accumulate_reconstruction_attention.
     gdn: per GDN layer, in model order; gdn_layer_of_attention[l] = how many GDN layers precede
         attention layer l (its signals are gdn[:gdn_layer_of_attention[l]]).
     protected_prefix_len: the first tokens every policy keeps, outside the budget.
@@ -50,6 +84,8 @@ class ContextSignals:
     window_queries: list[torch.Tensor] | None = None
     attention_column_sums: list[torch.Tensor] | None = None
     output_gate: list[torch.Tensor] | None = None
+    query_statistics: list[QueryStatistics] | None = None
+    reconstruction_attention: list[torch.Tensor] | None = None
     gdn: list[GDNLayerSignals] = field(default_factory=list)
     gdn_layer_of_attention: list[int] = field(default_factory=list)
     protected_prefix_len: int = 0

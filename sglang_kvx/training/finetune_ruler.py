@@ -13,6 +13,7 @@ retrieval skill is kept. Loss, batching and saving are train_demo's.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import random
 import time
@@ -37,6 +38,33 @@ TRAIN_SEED_BASE = 10**6
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multivalue", "qa_1")
 
 
+def grow_depth(model, times: int, seed: int):
+    """A model ``times`` as deep: the trained blocks first, then fresh copies of the same
+    layer pattern whose output projections start at zero, so the grown model computes
+    exactly what the trained one did and training only adds to it. The fresh GDN layers
+    get the long-memory decay spread (heads with half-lives from a few to hundreds of tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang_kvx.models.demo import _long_memory_decay_
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    layer_types = list(config.layer_types)
+    config.layer_types = layer_types * times
+    config.num_hidden_layers = len(config.layer_types)
+    torch.manual_seed(seed)
+    grown = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _long_memory_decay_(grown, seed + 7)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    if unexpected:
+        raise RuntimeError(f"grow_depth: unexpected weights {unexpected[:4]}")
+    with torch.no_grad():
+        for layer in grown.model.layers[len(layer_types):]:
+            out_proj = layer.self_attn.o_proj if hasattr(layer, "self_attn") else layer.linear_attn.out_proj
+            out_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
 def ruler_sample(tokenizer, task: str, length: int, rng: random.Random) -> Sample:
     sample = generate_sample(task, length, seed=TRAIN_SEED_BASE + rng.randrange(10**6), index=rng.randrange(1000), tokenizer=tokenizer)
     prompt = tokenizer(sample.prompt).input_ids
@@ -44,7 +72,8 @@ def ruler_sample(tokenizer, task: str, length: int, rng: random.Random) -> Sampl
     return Sample(prompt + answer, len(prompt), task, tuple(sample.answers))
 
 
-def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 1024), ruler_share: float = 0.6) -> dict:
+def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 1024), ruler_share: float = 0.6,
+             tasks: tuple[str, ...] = RULER_TASKS) -> dict:
     cfg = replace(TrainConfig(seed=seed), lr=1e-3, warmup_steps=20)
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -58,7 +87,7 @@ def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 102
         length = rng.choice(lengths)
         n_seq = max(1, cfg.tokens_per_batch // length)
         samples = [
-            ruler_sample(tokenizer, rng.choice(RULER_TASKS), length, rng) if rng.random() < ruler_share
+            ruler_sample(tokenizer, rng.choice(tasks), length, rng) if rng.random() < ruler_share
             else needles.sample(rng.choice(("single", "multikey", "multivalue")), length, rng)
             for _ in range(n_seq)
         ]
@@ -87,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="weights/tiny-hybrid-ruler")
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--grow", type=int, default=1, help="stack the layer pattern this many times first (new blocks start as identity)")
+    parser.add_argument("--tasks", default=",".join(RULER_TASKS), help="comma-separated suite tasks to train on")
+    parser.add_argument("--lengths", default="512,768,1024", help="comma-separated sample lengths in tokens")
     args = parser.parse_args(argv)
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)  # the GDN chunked rule hits a denormal slow path with more
@@ -95,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
     meta_file = Path(args.init) / "kvx_demo.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"name": "tiny-hybrid"}
-    result = finetune(model, tokenizer, args.minutes, args.seed)
-    meta["ruler_finetune"] = {**result, "tasks": list(RULER_TASKS), "seed": args.seed,
-                              "command": f"python -m sglang_kvx.training.finetune_ruler --init {args.init} --out {args.out} --minutes {args.minutes}"}
+    if args.grow > 1:
+        model = grow_depth(model, args.grow, args.seed)
+        meta["name"] = Path(args.out).name
+    result = finetune(model, tokenizer, args.minutes, args.seed, lengths=lengths, tasks=tasks)
+    meta["ruler_finetune"] = {**result, "tasks": list(tasks), "lengths": list(lengths), "grow": args.grow, "seed": args.seed,
+                              "command": "python -m sglang_kvx.training.finetune_ruler " + " ".join(argv if argv is not None else sys.argv[1:])}
     save_checkpoint(model, tokenizer, args.out, meta)
     print(json.dumps(result))
     return 0

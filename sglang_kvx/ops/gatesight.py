@@ -1,0 +1,67 @@
+"""GateSight scoring: every (attention layer, KV head) estimator over every context entry, one op.
+
+    features [L, n, F]  ->  relu(features @ w1[l, h] + b1[l, h]) @ w2[l, h] + b2[l, h]  ->  utility [L, H, n]
+
+w1 [L, H, F, U], b1 [L, H, U], w2 [L, H, U], b2 [L, H]; one hidden layer of U units per estimator.
+Feature standardisation is folded into w1 / b1 by the estimator, so this op reads raw features.
+``mlp_utility`` runs the Triton kernel for CUDA tensors (or under TRITON_INTERPRET=1 when asked)
+and the torch reference otherwise; the reference is the source of truth.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def mlp_utility_reference(
+    features: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+) -> torch.Tensor:
+    _check_shapes(features, w1, b1, w2, b2)
+    hidden = torch.einsum("lnf,lhfu->lhnu", features.float(), w1.float()) + b1.float()[:, :, None, :]
+    return torch.einsum("lhnu,lhu->lhn", hidden.relu(), w2.float()) + b2.float()[:, :, None]
+
+
+def mlp_utility(
+    features: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """[L, H, n] float32 utilities. impl: "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    use_triton = impl == "triton" or (impl == "auto" and features.is_cuda and _triton_available())
+    if not use_triton:
+        return mlp_utility_reference(features, w1, b1, w2, b2)
+    if not features.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton GateSight kernel needs CUDA tensors (or TRITON_INTERPRET=1 to run it on CPU)")
+    from sglang_kvx.ops.triton_gatesight import mlp_utility_triton
+
+    _check_shapes(features, w1, b1, w2, b2)
+    return mlp_utility_triton(features, w1, b1, w2, b2)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_shapes(features, w1, b1, w2, b2) -> None:
+    if features.dim() != 3 or w1.dim() != 4:
+        raise ValueError(f"features must be [L, n, F] and w1 [L, H, F, U], got {tuple(features.shape)} and {tuple(w1.shape)}")
+    num_layers, _, num_features = features.shape
+    layers, heads, f, units = w1.shape
+    if (layers, f) != (num_layers, num_features):
+        raise ValueError(f"w1 {tuple(w1.shape)} does not match features {tuple(features.shape)}")
+    if tuple(b1.shape) != (layers, heads, units) or tuple(w2.shape) != (layers, heads, units) or tuple(b2.shape) != (layers, heads):
+        raise ValueError(
+            f"expected b1/w2 [{layers}, {heads}, {units}] and b2 [{layers}, {heads}], "
+            f"got {tuple(b1.shape)}, {tuple(w2.shape)}, {tuple(b2.shape)}"
+        )

@@ -1,0 +1,63 @@
+"""``gatesight``: predict each entry's future utility from what the GDN layers wrote, no attention scores.
+
+GateSight (seed 000 in ../shared/seeds; method digest). After one prefill of a hybrid model,
+per (attention layer, KV head) a one-hidden-layer MLP reads the write gate beta, log-decay g and
+write magnitude ||v|| of every value head of up to six preceding GDN layers, plus three
+normalised age features, and predicts the entry's utility (trained on leave-one-out changes of
+the attention output, ``sglang_kvx.gatesight.labels``). Every estimator runs as one batched op
+(``ops.gatesight``). Each layer's budget is proportional to its mean attention output gate
+(the ``gate`` allocation); each head keeps its top-K under it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sglang_kvx.gatesight.estimator import GateSightEstimator, find_estimator
+from sglang_kvx.gatesight.features import all_layer_features
+from sglang_kvx.policies.base import KVPolicy, check_layer, register_policy
+from sglang_kvx.signals import ContextSignals
+
+
+@register_policy("gatesight")
+class GateSightPolicy(KVPolicy):
+    needs = frozenset({"gdn", "output_gate"})
+    allocation = "gate"
+
+    def __init__(
+        self,
+        *,
+        estimator: GateSightEstimator | str | Path | None = None,
+        model_path: str | Path | None = None,
+        impl: str = "auto",
+    ) -> None:
+        if estimator is None:
+            if model_path is None:
+                raise ValueError("gatesight needs its trained estimators: pass estimator=DIR or model_path=MODEL")
+            estimator = find_estimator(model_path)
+        if not isinstance(estimator, GateSightEstimator):
+            estimator = GateSightEstimator.load(estimator, model_path=model_path)
+        self.estimator = estimator
+        self.window = int(estimator.manifest.get("gdn_window", 6))
+        self.impl = impl
+        self._last: tuple[int, list[torch.Tensor]] | None = None
+
+    def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
+        """All layers at once: the features of every attention layer, one batched MLP op."""
+        if self._last is not None and self._last[0] == id(signals):
+            return self._last[1]
+        if signals.num_layers != self.estimator.num_layers or signals.num_kv_heads != self.estimator.num_kv_heads:
+            raise ValueError(
+                f"GateSight estimators cover {self.estimator.num_layers} attention layers x {self.estimator.num_kv_heads} "
+                f"KV heads; this model has {signals.num_layers} x {signals.num_kv_heads}"
+            )
+        utility = self.estimator.score(all_layer_features(signals, self.window), impl=self.impl)
+        scores = list(utility.unbind(0))
+        self._last = (id(signals), scores)
+        return scores
+
+    def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
+        check_layer(signals, layer)
+        return self.score_layers(signals)[layer]

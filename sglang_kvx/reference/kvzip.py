@@ -1,0 +1,92 @@
+"""KVzip's context-reconstruction pass in HF transformers: the offline producer of
+ContextSignals.reconstruction_attention (see sglang_kvx.policies.kvzip for the definition).
+
+The context is prefilled once; each reconstruction pass then runs on a copy of that cache (GDN
+states included), through an attention function registered in transformers' AttentionInterface
+that attends exactly like the compaction oracle's (every cached entry plus the pass's own keys up
+to each query) and folds the pass's queries and keys into the score.
+
+    signals = context_signals(ref, ids, protected_prefix_len=p)
+    signals.reconstruction_attention = reconstruction_attention(ref, ids, protected_prefix_len=p)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sglang_kvx.policies.kvzip import (
+    CHUNK_SIZE,
+    accumulate_reconstruction_attention,
+    reconstruction_inputs,
+    reconstruction_prompt_ids,
+)
+from sglang_kvx.reference.hf import HFReference, _compacted_attention
+
+RECONSTRUCTION_ATTENTION = "kvx_kvzip_reconstruction"
+
+
+class _Pass:
+    def __init__(self, totals: list[torch.Tensor], layer_of: dict[int, int], start: int, end: int, prefix: int) -> None:
+        self.totals, self.layer_of, self.start, self.end, self.prefix = totals, layer_of, start, end, prefix
+
+
+_active: _Pass | None = None
+
+
+def _scoring_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """The oracle's attention over [cached context ; this pass], recording KVzip's score on the side."""
+    out, _ = _compacted_attention(module, query, key, value, attention_mask, scaling)
+    scoring = _active
+    if scoring is not None:
+        layer = scoring.layer_of[module.layer_idx]
+        accumulate_reconstruction_attention(
+            scoring.totals[layer], query[0], key[0], scoring.start, scoring.end,
+            protected_prefix_len=scoring.prefix, scaling=scaling,
+        )
+    return out, None
+
+
+@torch.no_grad()
+def reconstruction_attention(
+    ref: HFReference,
+    context_ids: list[int],
+    *,
+    protected_prefix_len: int = 0,
+    chunk_size: int = CHUNK_SIZE,
+    prompt: tuple[list[int], list[int], list[int]] | None = None,
+) -> list[torch.Tensor]:
+    """KVzip's score of every context entry: per attention layer [kv_heads, n] float32.
+
+    ``prompt`` overrides (prompt, continuation, postfix) ids; by default they come from the tokenizer.
+    """
+    global _active
+    from transformers import AttentionInterface
+
+    model, config = ref.model, ref.model.config
+    prompt_ids, continuation_ids, postfix_ids = prompt if prompt is not None else reconstruction_prompt_ids(ref.tokenizer)
+    n = len(context_ids)
+    passes = reconstruction_inputs(
+        context_ids, prompt_ids, continuation_ids, postfix_ids,
+        protected_prefix_len=protected_prefix_len, chunk_size=chunk_size,
+    )
+    cache = model(torch.tensor([context_ids]), use_cache=True).past_key_values
+    layer_of = {layer_id: i for i, layer_id in enumerate(ref.attention_layer_ids)}
+    totals = [torch.zeros(config.num_key_value_heads, n) for _ in layer_of]
+
+    AttentionInterface.register(RECONSTRUCTION_ATTENTION, _scoring_attention)
+    previous = config._attn_implementation
+    model.set_attn_implementation(RECONSTRUCTION_ATTENTION)
+    try:
+        for start, end, ids in passes:
+            positions = torch.arange(n, n + len(ids))
+            _active = _Pass(totals, layer_of, start, end, protected_prefix_len)
+            model(
+                torch.tensor([ids]), position_ids=positions[None], cache_position=positions,
+                past_key_values=copy.deepcopy(cache), use_cache=True,
+            )
+    finally:
+        _active = None
+        model.set_attn_implementation(previous)
+    return totals

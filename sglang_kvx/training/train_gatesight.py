@@ -1,0 +1,309 @@
+"""Train GateSight's utility estimators for one hybrid model, and report how well they rank.
+
+    OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-ruler
+
+1. Documents: evaluation-suite sessions at training-only seeds (the suite evaluates seeds below
+   1000; these start at 10**6), each a context and several questions with their answers.
+2. One HF forward per (context + question + answer) gives the context's GDN signals and output
+   gates (features) and the continuation's queries, keys and values (labels: the closed-form
+   leave-one-out change of the attention output, ``gatesight.labels``).
+3. Per (attention layer, KV head): a 64-unit MLP (the estimator), and for comparison ridge
+   regression, the best single signal (chosen on the training documents) and an age-only MLP.
+4. Held-out documents: overlap@10% (share of the true top-10% entries a predictor's top-10%
+   recovers) and utility-mass coverage (share of the document's utility its top-10% holds),
+   per predictor; the estimator and its manifest (with this report) go to weights/gatesight/<model>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sglang_kvx.gatesight.estimator import GateSightEstimator, model_fingerprint
+from sglang_kvx.gatesight.features import AGE_FEATURES, GDN_WINDOW, all_layer_features
+from sglang_kvx.gatesight.labels import leave_one_out_change, utility_labels
+
+TRAIN_SEED_BASE = 10**6
+DEFAULT_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+                 "niah_multivalue", "niah_multiquery", "vt", "qa_1", "qa_2")
+HIDDEN_UNITS = 64
+TOP_FRACTION = 0.1
+
+
+@dataclass
+class Document:
+    task: str
+    features: torch.Tensor  # [L, n, F]
+    labels: torch.Tensor  # [L, H, n] max-normalised utility
+    gate_means: list[float]  # per attention layer: mean output gate over the context
+
+
+# --- data ------------------------------------------------------------------------
+
+
+def label_document(ref, context_ids: list[int], continuations: list[list[int]], window: int = GDN_WINDOW) -> Document:
+    """Features from the context's prefill and utility labels from every continuation."""
+    from sglang_kvx.reference.signals import context_signals
+
+    model = ref.model
+    attention_ids = ref.attention_layer_ids
+    n = len(context_ids)
+    changes: list[list[torch.Tensor]] = [[] for _ in attention_ids]
+    features = gate_means = None
+    for continuation in continuations:
+        signals = context_signals(ref, context_ids + continuation, window=len(continuation), column_sums=False)
+        if features is None:
+            # Causal model: the first n tokens' signals are exactly the context-only prefill's.
+            signals.n = n
+            for gdn in signals.gdn:
+                gdn.beta, gdn.g, gdn.v_norm = gdn.beta[:n], gdn.g[:n], gdn.v_norm[:n]
+            features = all_layer_features(signals, window)
+            gate_means = [float(g[:n].mean()) for g in signals.output_gate] if signals.output_gate else []
+        for layer, layer_id in enumerate(attention_ids):
+            attn = model.model.layers[layer_id].self_attn
+            changes[layer].append(
+                leave_one_out_change(signals.window_queries[layer], signals.keys[layer], signals.values[layer],
+                                     attn.o_proj.weight.detach(), n, attn.scaling)
+            )
+    labels = torch.stack([utility_labels(per_layer) for per_layer in changes])
+    return Document(task="", features=features, labels=labels, gate_means=gate_means)
+
+
+def build_documents(ref, count: int, seed: int, tasks: tuple[str, ...], lengths: tuple[int, ...],
+                    questions: int, desc: str) -> list[Document]:
+    from sglang_kvx.eval import generate_session
+
+    rng = random.Random(seed)
+    tokenizer = ref.tokenizer
+    docs = []
+    for i in tqdm(range(count), desc=desc, dynamic_ncols=True):
+        task, length = tasks[i % len(tasks)], lengths[(i // len(tasks)) % len(lengths)]
+        index = rng.randrange(10**6)
+        for asked in range(questions, 0, -1):  # a short context may not fit every question
+            try:
+                session = generate_session(task, length, num_questions=asked, seed=TRAIN_SEED_BASE + seed,
+                                           index=index, tokenizer=tokenizer)
+                break
+            except ValueError:
+                if asked == 1:
+                    raise
+        context_ids = tokenizer(session.context).input_ids
+        continuations = [tokenizer(turn.question).input_ids + tokenizer(" " + ", ".join(turn.answers)).input_ids
+                         for turn in session.turns]
+        doc = label_document(ref, context_ids, continuations)
+        doc.task = task
+        docs.append(doc)
+    return docs
+
+
+# --- predictors --------------------------------------------------------------------
+
+
+def _rows(docs: list[Document], layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.cat([d.features[layer] for d in docs]), torch.cat([d.labels[layer, head] for d in docs]))
+
+
+def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: int, lr: float = 3e-3,
+              batch: int = 4096, desc: str = "estimator") -> GateSightEstimator:
+    """Every (layer, head) MLP trained together (stacked weights), MSE on the utility labels."""
+    torch.manual_seed(seed)
+    num_layers, num_heads = docs[0].labels.shape[:2]
+    x = torch.stack([torch.cat([d.features[l] for d in docs]) for l in range(num_layers)])  # [L, N, F]
+    y = torch.stack([torch.cat([d.labels[l] for d in docs], dim=1) for l in range(num_layers)])  # [L, H, N]
+    if columns is not None:
+        keep = torch.zeros(x.shape[2], dtype=torch.bool)
+        keep[columns] = True
+        x = x * keep  # other inputs read as zero: an estimator restricted to these columns
+    mean, std = x.mean(dim=1), x.std(dim=1).clamp_min(1e-4)
+    if columns is not None:
+        mean, std = mean * keep, torch.where(keep, std, torch.ones_like(std))
+    xs = (x - mean[:, None]) / std[:, None]
+    num_features = x.shape[2]
+    w1 = (torch.randn(num_layers, num_heads, num_features, HIDDEN_UNITS) / math.sqrt(num_features)).requires_grad_()
+    b1 = torch.zeros(num_layers, num_heads, HIDDEN_UNITS, requires_grad=True)
+    w2 = (torch.randn(num_layers, num_heads, HIDDEN_UNITS) / math.sqrt(HIDDEN_UNITS)).requires_grad_()
+    b2 = torch.zeros(num_layers, num_heads, requires_grad=True)
+    params = [w1, b1, w2, b2]
+    optimizer = torch.optim.Adam(params, lr=lr)
+    total = xs.shape[1]
+    steps = epochs * math.ceil(total / batch)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    bar = tqdm(total=steps, desc=desc, dynamic_ncols=True)
+    for _ in range(epochs):
+        order = torch.randperm(total)
+        for start in range(0, total, batch):
+            idx = order[start : start + batch]
+            hidden = torch.einsum("lnf,lhfu->lhnu", xs[:, idx], w1) + b1[:, :, None]
+            pred = torch.einsum("lhnu,lhu->lhn", hidden.relu(), w2) + b2[:, :, None]
+            loss = (pred - y[:, :, idx]).pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            bar.update()
+            bar.set_postfix(mse=f"{loss.item():.5f}")
+    bar.close()
+    return GateSightEstimator(w1=w1.detach(), b1=b1.detach(), w2=w2.detach(), b2=b2.detach(),
+                              feature_mean=mean, feature_std=std)
+
+
+def fit_ridge(docs: list[Document], alpha: float = 1.0) -> list[list[torch.Tensor]]:
+    """Per (layer, head): weights [F + 1] of ridge regression on standardised features (last = bias)."""
+    num_layers, num_heads = docs[0].labels.shape[:2]
+    models = []
+    for layer in range(num_layers):
+        per_head = []
+        for head in range(num_heads):
+            x, y = _rows(docs, layer, head)
+            x = torch.cat([x, torch.ones(x.shape[0], 1)], dim=1).double()
+            gram = x.T @ x + alpha * torch.eye(x.shape[1], dtype=torch.float64)
+            per_head.append(torch.linalg.solve(gram, x.T @ y.double()).float())
+        models.append(per_head)
+    return models
+
+
+def heuristic_candidates(features: torch.Tensor, gdn_heads: int) -> torch.Tensor:
+    """[n, C] single-signal rankings: every raw feature, its negation, and each head's effective
+    write beta * ||v|| (from the beta and log||v|| columns)."""
+    gdn = features[:, : features.shape[1] - AGE_FEATURES].reshape(features.shape[0], -1, 3)  # [n, layers*heads, 3]
+    effective = gdn[:, :, 0] * gdn[:, :, 2].exp()
+    return torch.cat([features, -features, effective, -effective], dim=1)
+
+
+def choose_heuristic(docs: list[Document], gdn_heads: int) -> list[list[int]]:
+    """Per (layer, head): the candidate column with the best mean training overlap@10%."""
+    num_layers, num_heads = docs[0].labels.shape[:2]
+    best = []
+    for layer in range(num_layers):
+        per_head = []
+        for head in range(num_heads):
+            totals = None
+            for d in docs:
+                cands = heuristic_candidates(d.features[layer], gdn_heads)  # [n, C]
+                scores = torch.stack([overlap_at(cands[:, c], d.labels[layer, head]) for c in range(cands.shape[1])])
+                totals = scores if totals is None else totals + scores
+            per_head.append(int(totals.argmax()))
+        best.append(per_head)
+    return best
+
+
+def overlap_at(predicted: torch.Tensor, true: torch.Tensor, fraction: float = TOP_FRACTION) -> torch.Tensor:
+    k = max(1, round(fraction * true.numel()))
+    pred_top = set(predicted.topk(k).indices.tolist())
+    true_top = set(true.topk(k).indices.tolist())
+    return torch.tensor(len(pred_top & true_top) / k)
+
+
+def mass_coverage(predicted: torch.Tensor, true: torch.Tensor, fraction: float = TOP_FRACTION) -> float:
+    k = max(1, round(fraction * true.numel()))
+    return float(true[predicted.topk(k).indices].sum() / true.sum().clamp_min(1e-30))
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = a.argsort().argsort().float()
+    rb = b.argsort().argsort().float()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def evaluate(docs: list[Document], predictors: dict[str, callable]) -> dict[str, dict[str, float]]:
+    """Mean over held-out documents, layers and heads of each metric, per predictor."""
+    report = {}
+    for name, predict in predictors.items():
+        sums = {"overlap_at_10": 0.0, "mass_coverage_at_10": 0.0, "spearman": 0.0}
+        count = 0
+        for d in docs:
+            pred = predict(d)  # [L, H, n]
+            for layer in range(d.labels.shape[0]):
+                for head in range(d.labels.shape[1]):
+                    true = d.labels[layer, head]
+                    sums["overlap_at_10"] += float(overlap_at(pred[layer, head], true))
+                    sums["mass_coverage_at_10"] += mass_coverage(pred[layer, head], true)
+                    sums["spearman"] += spearman(pred[layer, head], true)
+                    count += 1
+        report[name] = {k: round(v / count, 4) for k, v in sums.items()}
+    return report
+
+
+# --- entry point -------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="weights/tiny-hybrid-ruler", help="hybrid checkpoint to train estimators for")
+    parser.add_argument("--out", default=None, help="estimator folder (default weights/gatesight/<model name>)")
+    parser.add_argument("--train-docs", type=int, default=160)
+    parser.add_argument("--heldout-docs", type=int, default=40)
+    parser.add_argument("--lengths", default="512,1024,2048")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
+    parser.add_argument("--questions", type=int, default=3, help="continuations (question + answer) per document")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from sglang_kvx.reference.hf import HFReference
+
+    torch.set_num_threads(1)  # the GDN chunked rule hits a denormal slow path with more
+    started = time.monotonic()
+    ref = HFReference(args.model)
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    lengths = tuple(int(x) for x in args.lengths.split(","))
+    train_docs = build_documents(ref, args.train_docs, args.seed, tasks, lengths, args.questions, "label train docs")
+    heldout = build_documents(ref, args.heldout_docs, args.seed + 1, tasks, lengths, args.questions, "label held-out docs")
+    gdn_heads = ref.model.config.linear_num_value_heads
+    num_features = train_docs[0].features.shape[2]
+    estimator = train_mlp(train_docs, None, args.epochs, args.seed)
+    age_only = train_mlp(train_docs, slice(num_features - AGE_FEATURES, num_features), args.epochs, args.seed, desc="age-only")
+    ridge = fit_ridge(train_docs)
+    heuristic = choose_heuristic(train_docs, gdn_heads)
+
+    def ridge_predict(d: Document) -> torch.Tensor:
+        x = torch.cat([d.features, torch.ones(*d.features.shape[:2], 1)], dim=2)
+        return torch.stack([torch.stack([x[l] @ ridge[l][h] for h in range(len(ridge[l]))]) for l in range(len(ridge))])
+
+    def heuristic_predict(d: Document) -> torch.Tensor:
+        return torch.stack([torch.stack([heuristic_candidates(d.features[l], gdn_heads)[:, c] for c in heuristic[l]])
+                            for l in range(len(heuristic))])
+
+    report = evaluate(heldout, {
+        "mlp": lambda d: estimator.score(d.features, impl="torch"),
+        "ridge": ridge_predict,
+        "best_single_signal": heuristic_predict,
+        "age_only": lambda d: age_only.score(d.features, impl="torch"),
+    })
+    model_name = Path(args.model).resolve().name
+    out = Path(args.out) if args.out else Path("weights/gatesight") / model_name
+    estimator.manifest = {
+        "model_name": model_name,
+        "model_fingerprint": model_fingerprint(args.model),
+        "num_attention_layers": len(ref.attention_layer_ids),
+        "num_kv_heads": ref.model.config.num_key_value_heads,
+        "gdn_heads": gdn_heads,
+        "gdn_window": GDN_WINDOW,
+        "hidden_units": HIDDEN_UNITS,
+        "features": "per preceding GDN layer and value head: beta, g, log||v||; then age/n, log1p(age)/log1p(n), log1p(pos)/log1p(n)",
+        "heldout_report": report,
+        "heldout_docs": len(heldout),
+        "train_docs": len(train_docs),
+        "lengths": list(lengths),
+        "tasks": list(tasks),
+        "mean_output_gate_per_layer": [round(sum(d.gate_means[l] for d in train_docs) / len(train_docs), 4)
+                                       for l in range(len(ref.attention_layer_ids))] if train_docs[0].gate_means else [],
+        "best_single_signal_columns": heuristic,
+        "minutes": round((time.monotonic() - started) / 60, 2),
+        "command": "python -m sglang_kvx.training.train_gatesight " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    estimator.save(out)
+    print(json.dumps({"out": str(out), "heldout": report}, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""GateSight pieces without a server: labels vs brute force, features, the scoring op, estimator files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_kvx.gatesight.estimator import EstimatorMismatch, GateSightEstimator, model_fingerprint
+from sglang_kvx.gatesight.features import AGE_FEATURES, age_features, all_layer_features, num_features
+from sglang_kvx.gatesight.labels import brute_force_change, leave_one_out_change, utility_labels
+from sglang_kvx.ops.gatesight import mlp_utility, mlp_utility_reference
+from sglang_kvx.signals import ContextSignals, GDNLayerSignals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _attention_case(seed: int = 0, n: int = 40, t: int = 6, hq: int = 4, hkv: int = 2, d: int = 8, hidden: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    queries = torch.randn(hq, t, d, generator=gen) * 2
+    keys = torch.randn(hkv, n + t, d, generator=gen) * 2
+    values = torch.randn(hkv, n + t, d, generator=gen)
+    o_proj = torch.randn(hidden, hq * d, generator=gen) / 4
+    return queries, keys, values, o_proj, n, d**-0.5
+
+
+def test_closed_form_matches_brute_force_deletion():
+    queries, keys, values, o_proj, n, scaling = _attention_case()
+    closed = leave_one_out_change(queries, keys, values, o_proj, n, scaling)  # [Hkv, T, n]
+    worst = 0.0
+    for kv_head in range(keys.shape[0]):
+        scale = float(closed[kv_head].max())  # labels are max-normalised per layer and KV head
+        for entry in range(n):
+            brute = brute_force_change(queries, keys, values, o_proj, n, scaling, kv_head, entry)
+            worst = max(worst, float((closed[kv_head, :, entry] - brute).abs().max()) / scale)
+    assert worst < 1.4e-5, worst  # the paper's agreement, on the normalised scale of the labels
+    assert float(closed.max()) > 1e-2  # the case is not trivially zero
+
+
+def test_closed_form_sees_a_dominant_entry():
+    queries, keys, values, o_proj, n, scaling = _attention_case(seed=1)
+    keys[0, 7] = queries[0, 0] * 20  # query head 0 (KV head 0) attends almost only to entry 7
+    values[0, 7] = 5.0
+    labels = utility_labels([leave_one_out_change(queries, keys, values, o_proj, n, scaling)])
+    assert labels.shape == (2, n)
+    assert int(labels[0].argmax()) == 7
+    assert torch.allclose(labels.amax(dim=1), torch.ones(2))
+
+
+def _signals(n: int = 30, gdn_layers: int = 3, heads: int = 4, attention_layers: int = 2) -> ContextSignals:
+    gen = torch.Generator().manual_seed(3)
+    gdn = [GDNLayerSignals(beta=torch.rand(n, heads, generator=gen), g=-torch.rand(n, heads, generator=gen),
+                           v_norm=torch.rand(n, heads, generator=gen) + 0.1) for _ in range(gdn_layers)]
+    kv = [torch.randn(2, n, 8, generator=gen) for _ in range(attention_layers)]
+    return ContextSignals(n=n, num_q_heads=4, num_kv_heads=2, head_dim=8, keys=kv, values=kv, gdn=gdn,
+                          gdn_layer_of_attention=[1, 3][:attention_layers],
+                          output_gate=[torch.full((n, 4), 0.3), torch.full((n, 4), 0.6)][:attention_layers])
+
+
+def test_features_read_the_preceding_gdn_layers_and_age():
+    signals = _signals()
+    features = all_layer_features(signals, window=6)
+    assert features.shape == (2, 30, num_features(4))
+    # Attention layer 0 follows one GDN layer: the other five window slots are zero padding.
+    assert torch.equal(features[0, :, : 5 * 12], torch.zeros(30, 60))
+    assert torch.allclose(features[0, :, 60:72:3], signals.gdn[0].beta)
+    assert torch.allclose(features[1, :, 36:48][:, 1::3], signals.gdn[0].g)
+    assert torch.allclose(features[1, :, 60:72][:, 2::3], signals.gdn[2].v_norm.log())
+    ages = age_features(30)
+    assert torch.equal(features[1, :, -AGE_FEATURES:], ages)
+    assert float(ages[-1, 0]) == 0.0 and float(ages[0, 2]) == 0.0
+
+
+def _random_mlp(layers=2, heads=2, features=75, units=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(layers, heads, features, units, generator=gen) / 8, torch.randn(layers, heads, units, generator=gen),
+            torch.randn(layers, heads, units, generator=gen), torch.randn(layers, heads, generator=gen))
+
+
+def test_reference_op_is_the_per_estimator_mlp():
+    w1, b1, w2, b2 = _random_mlp()
+    x = torch.randn(2, 50, 75)
+    out = mlp_utility_reference(x, w1, b1, w2, b2)
+    assert out.shape == (2, 2, 50)
+    for layer in range(2):
+        for head in range(2):
+            expected = torch.relu(x[layer] @ w1[layer, head] + b1[layer, head]) @ w2[layer, head] + b2[layer, head]
+            assert torch.allclose(out[layer, head], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="does not match"):
+        mlp_utility_reference(torch.randn(2, 50, 74), w1, b1, w2, b2)
+
+
+def test_triton_kernel_matches_reference_under_the_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import torch; from sglang_kvx.ops.gatesight import mlp_utility, mlp_utility_reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w1 = torch.randn(2, 2, 75, 64, generator=g) / 8; b1 = torch.randn(2, 2, 64, generator=g)\n"
+        "w2 = torch.randn(2, 2, 64, generator=g); b2 = torch.randn(2, 2, generator=g)\n"
+        "x = torch.randn(2, 130, 75, generator=g)\n"
+        "got = mlp_utility(x, w1, b1, w2, b2, impl='triton'); want = mlp_utility_reference(x, w1, b1, w2, b2)\n"
+        "print(float((got - want).abs().max()))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 1e-3
+
+
+def test_triton_kernel_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    w1, b1, w2, b2 = _random_mlp()
+    with pytest.raises(RuntimeError, match="CUDA"):
+        mlp_utility(torch.randn(2, 5, 75), w1, b1, w2, b2, impl="triton")
+
+
+def test_estimator_round_trip_and_model_check(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    (model / "model.safetensors").write_bytes(b"weights-a")
+    w1, b1, w2, b2 = _random_mlp()
+    estimator = GateSightEstimator(w1, b1, w2, b2, feature_mean=torch.randn(2, 75), feature_std=torch.rand(2, 75) + 0.5,
+                                   manifest={"model_name": "model", "model_fingerprint": model_fingerprint(model)})
+    estimator.save(tmp_path / "est")
+    loaded = GateSightEstimator.load(tmp_path / "est", model_path=model)
+    x = torch.randn(2, 20, 75)
+    assert torch.equal(loaded.score(x, impl="torch"), estimator.score(x, impl="torch"))
+    # Folding the standardisation into w1/b1 equals standardising the input.
+    standardised = (x - estimator.feature_mean[:, None]) / estimator.feature_std[:, None]
+    assert torch.allclose(estimator.score(x, impl="torch"), mlp_utility_reference(standardised, w1, b1, w2, b2), atol=1e-4)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    (other / "model.safetensors").write_bytes(b"weights-b")
+    with pytest.raises(EstimatorMismatch, match="was trained for model 'model'"):
+        GateSightEstimator.load(tmp_path / "est", model_path=other)
