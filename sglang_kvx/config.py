@@ -17,13 +17,13 @@ from sglang_kvx.policies import ModelTraits, get_policy, policy_names
 
 # Policies the server can apply today: those reading keys and values (SGLang's
 # pool holds them), attention or query statistics (queries captured during the
-# parent's prefill), and GDN signals / output gates (captured the same way).
-# KVzip's second, context-repeating pass has no place in SGLang's scheduler yet.
+# parent's prefill), GDN signals / output gates (captured the same way), and
+# KVzip's reconstruction (internal second-pass requests, compact/second_pass.py).
 # Per-layer budgets (pyramidkv) need the kvx_torch_native attention backend.
 # A registered policy outside this set scores offline only (choose_keep_set, the
 # HF oracle); the launcher refuses it rather than accept it and do nothing.
 SERVABLE_POLICIES: frozenset[str] = frozenset(
-    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv", "triattention", "gatesight"}
+    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv", "triattention", "gatesight", "kvzip"}
 )
 
 # Each flag: (dest, default, help). Kept as strings on the command line and

@@ -295,7 +295,7 @@ def _around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 
 
 def _after_session_held_tokens(held, *_args, **_kwargs):
-    return held + (_RUNTIME.store.slots_held() if _RUNTIME is not None else 0)
+    return held + (_RUNTIME.held_slots() if _RUNTIME is not None else 0)
 
 
 def _around_flush_cache(original, scheduler, *args, **kwargs):

@@ -44,11 +44,8 @@ def test_registered_but_unserved_policy_is_refused_not_ignored(monkeypatch):
         build_config(OfflineOnly.name, 0.5)
 
 
-def test_every_shipped_policy_is_served_but_kvzip():
-    # KVzip's second, context-repeating pass has no place in SGLang's scheduler yet: it scores offline.
-    assert set(policy_names()) - {"kvzip"} == set(SERVABLE_POLICIES)
-    with pytest.raises(KvxConfigError, match="kvzip is not served yet"):
-        build_config("kvzip", 0.5)
+def test_every_shipped_policy_is_served():
+    assert set(policy_names()) == set(SERVABLE_POLICIES)
 
 
 def test_gatesight_without_estimators_for_the_model_is_refused(tmp_path, demo_paths):

@@ -35,6 +35,7 @@ from sglang_kvx.config import (
 )
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
+from sglang_kvx.compact.second_pass import PASS_RID_PREFIX, KVzipJob, full_context, make_pass_request, new_job_id, pass_length
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class KvxRuntime:
         self.store = ContextStore()
         self.skipped_no_room = 0
         self.failed: list[str] = []  # why compactions failed (the context then stays uncompacted)
+        self.scheduler = scheduler
+        self.kvzip_jobs: dict[str, KVzipJob] = {}  # pass request id -> its job (KVzip's second pass)
+        self._kvzip_prompt: tuple[list[int], list[int], list[int]] | None = None
         self.evicted = 0
         self.tree_cache = scheduler.tree_cache
         self.row_context: dict[int, CompactedContext] = {}
@@ -126,6 +130,15 @@ class KvxRuntime:
             return not req.kv.holds_kv
         if req.output_ids or req.finished():
             return False
+        job = self.kvzip_jobs.get(req.rid)
+        if job is not None:  # a KVzip reconstruction pass: a child of the held full context
+            context = job.context
+            self.make_room(len(req.origin_input_ids) - context.n, keep=context)
+            req.skip_radix_cache_insert = True
+            req.finished_output = True  # internal: SGLang sends nothing to the tokenizer manager
+            setattr(req, _CHILD, context)
+            context.active_children += 1
+            return True
         wanted = len(req.origin_input_ids) + (req.sampling_params.max_new_tokens or 0)
         if self.is_parent(req):
             self.make_room(wanted)
@@ -184,6 +197,15 @@ class KvxRuntime:
             req.set_finish_with_abort(
                 f"sglang_kvx: protected prefix of {protected} tokens leaves nothing to compact in the {n}-token context"
             )
+            return
+        if self.settings(req)[0] == "kvzip":
+            longest = n + pass_length(n, self.kvzip_prompt(), protected)
+            limit = self.scheduler.model_config.context_len
+            if longest > limit:
+                req.set_finish_with_abort(
+                    f"sglang_kvx: kvzip's reconstruction pass of this {n}-token context needs {longest} tokens "
+                    f"of context length; the server allows {limit} (raise --context-length)"
+                )
 
     def child_prefix_slots(self, req) -> torch.Tensor | None:
         context = getattr(req, _CHILD, None)
@@ -212,6 +234,11 @@ class KvxRuntime:
                 continue
             self.position_offset[row] = context.n - context.k_max
             self.row_context[row] = context
+            if req.rid in self.kvzip_jobs and row not in self.captures:
+                self.captures[row] = _ParentCapture(
+                    n=len(req.origin_input_ids), num_layers=len(self.attention_layer_ids), window=0,
+                    column_sums=False, signals=frozenset({"reconstruction"}),
+                )
             if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
                 self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self._mamba_slot(req))
                 # SGLang zeroes a fresh request's state slot later in the same prepare step
@@ -261,9 +288,13 @@ class KvxRuntime:
             capture = self.captures.get(row)
             if capture is None:
                 continue
+            t0 = time.perf_counter()
             queries = q[starts[i] : starts[i] + lengths[i]].reshape(-1, num_q_heads, head_dim).float()
             if capture.window:
                 capture.add_window(layer_index, queries)
+            if "reconstruction" in capture.signals:
+                capture.add(capture.pass_queries, layer_index, queries)
+                capture.scaling[layer_index] = layer.scaling
             if "queries" in capture.signals:
                 from sglang_kvx.policies.triattention import query_statistics
 
@@ -282,6 +313,7 @@ class KvxRuntime:
                     future = torch.arange(seq_len)[None, :] > query_pos[:, None]
                     probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
                     sums[:, :seq_len] += probs.sum(dim=1)
+            capture.seconds += time.perf_counter() - t0
 
     def _parent_rows(self, forward_batch):
         """(row index in batch, capture, token start, token count) of the parents in an extend batch."""
@@ -305,6 +337,7 @@ class KvxRuntime:
         for _, capture, start, length in self._parent_rows(forward_batch):
             if "gdn" not in capture.signals:
                 continue
+            t0 = time.perf_counter()
             g, beta = gdn_gates(layer.A_log, a[start : start + length], b[start : start + length], layer.dt_bias)
             # A later prefill chunk continues the conv from the previous chunk's last inputs.
             tail = capture.conv_tail.get(layer.layer_id)
@@ -313,6 +346,7 @@ class KvxRuntime:
             )
             v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
             capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
+            capture.seconds += time.perf_counter() - t0
 
     def capture_output_gate(self, layer_id: int, gate: torch.Tensor, forward_batch) -> None:
         """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""
@@ -321,8 +355,10 @@ class KvxRuntime:
             return
         for _, capture, start, length in self._parent_rows(forward_batch):
             if "output_gate" in capture.signals:
+                t0 = time.perf_counter()
                 per_head = gate[start : start + length].reshape(length, self.num_q_heads, -1)
                 capture.add(capture.gates, layer_index, torch.sigmoid(per_head.float()).mean(dim=-1))
+                capture.seconds += time.perf_counter() - t0
 
     def rope_inv_freq(self) -> torch.Tensor:
         """The model's RoPE frequencies (default RoPE; partial rotary as configured)."""
@@ -343,6 +379,8 @@ class KvxRuntime:
     def before_release(self, req) -> None:
         context = getattr(req, _CHILD, None)
         if context is not None:
+            if req.rid in self.kvzip_jobs:
+                self._finish_pass(req)
             if req.finished():
                 context.active_children -= 1
             if req.kv.holds_kv:
@@ -358,6 +396,9 @@ class KvxRuntime:
         if self.store.get(req.origin_input_ids, settings) is not None:
             self.captures.pop(int(req.kv.req_pool_idx), None)
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
+            return
+        if settings[0] == "kvzip":
+            self._start_kvzip(req, settings)
             return
         try:
             compacted = self.compact(req, settings)
@@ -375,19 +416,7 @@ class KvxRuntime:
         context_ids = tuple(int(t) for t in req.origin_input_ids)
         n = len(context_ids)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
-        keys, values = [], []
-        for layer_id in self.attention_layer_ids:
-            keys.append(self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1).float())
-            values.append(self.kv_pool.get_value_buffer(layer_id)[row].transpose(0, 1).float())
-        signals = ContextSignals(
-            n=n,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            keys=keys,
-            values=values,
-            protected_prefix_len=protected,
-        )
+        signals = self._read_signals(row, protected)
         capture = self.captures.pop(int(req.kv.req_pool_idx), None)
         if capture is not None:
             capture.fill(signals, self.gdn_layer_ids, self.attention_layer_ids)
@@ -400,15 +429,7 @@ class KvxRuntime:
             logger.warning("sglang_kvx: no room for %d compacted slots; the %d-token context stays uncompacted", k_max, n)
             self.skipped_no_room += 1
             return None
-        for layer, layer_id in enumerate(self.attention_layer_ids):
-            positions = keep.positions[layer].to(row.device)  # [kv_heads, K_l]
-            source = row[positions]  # the parent's slots, per head
-            kept = positions.shape[1]
-            key_buffer = self.kv_pool.get_key_buffer(layer_id)
-            value_buffer = self.kv_pool.get_value_buffer(layer_id)
-            for kv_head in range(self.num_kv_heads):
-                key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
-                value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
+        self._gather_kept(row, slots, keep)
         snapshot = None
         if self.mamba_pool is not None:
             snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
@@ -422,7 +443,8 @@ class KvxRuntime:
             keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=snapshot,
             timings={
-                "signals_s": t1 - t0,  # reading keys/values out of the pool
+                "capture_s": capture.seconds if capture is not None else 0.0,  # inside the prefill's forward
+                "signals_s": t1 - t0,  # reading keys/values out of the pool, assembling captures
                 "score_select_s": t2 - t1,  # policy scores, layer budgets, per-head top-K
                 "compact_s": time.perf_counter() - t2,  # rank-slot copy + GDN snapshot
                 "bytes_moved": sum(keep.kept_per_layer) * self.bytes_per_entry,
@@ -434,6 +456,141 @@ class KvxRuntime:
             n, policy, keep_fraction, keep.kept_per_layer,
         )
         return context
+
+    def _read_signals(self, row: torch.Tensor, protected: int) -> ContextSignals:
+        """Keys and values of the context in slots ``row``, per attention layer [kv_heads, n, D]."""
+        keys, values = [], []
+        for layer_id in self.attention_layer_ids:
+            keys.append(self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1).float())
+            values.append(self.kv_pool.get_value_buffer(layer_id)[row].transpose(0, 1).float())
+        return ContextSignals(
+            n=len(row), num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            keys=keys, values=values, protected_prefix_len=protected,
+        )
+
+    def _gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep) -> None:
+        """Copy each (layer, KV head)'s kept entries, in rank order, from the context's slots ``row``
+        into ``slots``. Each assignment reads its source before writing, so ``slots`` may be
+        the first k_max of ``row`` itself."""
+        for layer, layer_id in enumerate(self.attention_layer_ids):
+            positions = keep.positions[layer].to(row.device)  # [kv_heads, K_l]
+            source = row[positions]  # the context's slots, per head
+            kept = positions.shape[1]
+            key_buffer = self.kv_pool.get_key_buffer(layer_id)
+            value_buffer = self.kv_pool.get_value_buffer(layer_id)
+            for kv_head in range(self.num_kv_heads):
+                key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
+                value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
+
+    # --- KVzip: the second pass (see compact/second_pass.py) ----------------------------------
+
+    def kvzip_prompt(self) -> tuple[list[int], list[int], list[int]]:
+        if self._kvzip_prompt is None:
+            from sglang_kvx.policies.kvzip import reconstruction_prompt_ids
+
+            tokenizer = getattr(self.scheduler, "tokenizer", None)
+            if tokenizer is None:
+                raise KvxConfigError("kvx policy 'kvzip' needs the server's tokenizer (do not pass --skip-tokenizer-init)")
+            self._kvzip_prompt = reconstruction_prompt_ids(tokenizer)
+        return self._kvzip_prompt
+
+    def _start_kvzip(self, req, settings: tuple[str, float, int]) -> None:
+        """Hold the parent's full context and queue its reconstruction passes."""
+        from sglang_kvx.policies.kvzip import reconstruction_inputs
+
+        context_ids = tuple(int(t) for t in req.origin_input_ids)
+        n = len(context_ids)
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
+        if int(req.kv.cache_protected_len) == 0:
+            slots = row.clone()
+            req.kv.cache_protected_len = n  # SGLang frees none of them: they are the job's now
+        else:  # part of the context was a radix-cache hit (the tree's slots): take a copy
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                self.skipped_no_room += 1
+                logger.warning("sglang_kvx: no room to hold a %d-token context for kvzip; it stays uncompacted", n)
+                return
+            slots = slots.to(torch.long)
+            for layer_id in self.attention_layer_ids:
+                for buffer in (self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)):
+                    buffer[slots] = buffer[row]
+        req.skip_radix_cache_insert = True
+        snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req)) if self.mamba_pool is not None else None
+        context = full_context(context_ids, settings, slots, len(self.attention_layer_ids), snapshot)
+        job = KVzipJob(context=context, settings=settings, passes={},
+                       totals=[torch.zeros(self.num_kv_heads, n) for _ in self.attention_layer_ids])
+        job_id = new_job_id()
+        passes = reconstruction_inputs(list(context_ids), *self.kvzip_prompt(), protected_prefix_len=settings[2])
+        requests = []
+        for i, (start, end, ids) in enumerate(passes):
+            rid = f"{PASS_RID_PREFIX}{job_id}-{i}"
+            job.passes[rid] = (start, end)
+            self.kvzip_jobs[rid] = job
+            requests.append(make_pass_request(rid, list(context_ids) + ids))
+        for pass_request in requests:
+            self.scheduler.handle_generate_request(pass_request)
+        logger.info("sglang_kvx: kvzip holds a %d-token context for %d reconstruction pass(es)", n, len(passes))
+
+    def _finish_pass(self, req) -> None:
+        """A reconstruction pass leaves: fold its attention into the job's scores (its KV is still in the pool)."""
+        job = self.kvzip_jobs.pop(req.rid)
+        row_index = int(req.kv.req_pool_idx)
+        capture = self.captures.pop(row_index, None)
+        start, end = job.passes.pop(req.rid)
+        if _aborted(req) or not req.finished() or not req.kv.holds_kv or capture is None or len(capture.pass_queries) != len(self.attention_layer_ids):
+            job.failed = job.failed or f"reconstruction pass {req.rid} did not complete"
+        else:
+            t0 = time.perf_counter()
+            from sglang_kvx.policies.kvzip import accumulate_reconstruction_attention
+
+            total_len = len(req.origin_input_ids)
+            row = self.req_to_token_pool.req_to_token[row_index, :total_len].to(torch.long)
+            for layer, layer_id in enumerate(self.attention_layer_ids):
+                keys = self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1).float()  # [Hkv, n + m, D]
+                queries = torch.cat(capture.pass_queries[layer]).transpose(0, 1)  # [Hq, m, D]
+                accumulate_reconstruction_attention(job.totals[layer], queries, keys, start, end,
+                                                    protected_prefix_len=job.settings[2], scaling=capture.scaling[layer])
+            job.accumulate_s += time.perf_counter() - t0
+        if not job.passes:
+            self._complete_kvzip(job)
+
+    def _complete_kvzip(self, job: KVzipJob) -> None:
+        held = job.context.slots
+        if job.failed is not None:
+            self.allocator.free(held)
+            self.failed.append(job.failed)
+            logger.error("sglang_kvx: kvzip compaction failed (%s); the context stays uncompacted", job.failed)
+            return
+        policy, keep_fraction, protected = job.settings
+        t0 = time.perf_counter()
+        signals = self._read_signals(held, protected)
+        signals.reconstruction_attention = job.totals
+        keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
+        t1 = time.perf_counter()
+        k_max = max(keep.kept_per_layer)
+        self._gather_kept(held, held, keep)
+        if k_max < len(held):
+            self.allocator.free(held[k_max:])
+        context = CompactedContext(
+            context_ids=job.context.context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
+            slots=held[:k_max].clone(), kept_per_layer=keep.kept_per_layer, keep_positions=[p.cpu() for p in keep.positions],
+            gdn_snapshot=job.context.gdn_snapshot,
+            timings={
+                "second_pass_s": t0 - job.started,  # queueing + prefill of the reconstruction passes
+                "accumulate_s": job.accumulate_s,
+                "score_select_s": t1 - t0,
+                "compact_s": time.perf_counter() - t1,
+                "bytes_moved": sum(keep.kept_per_layer) * self.bytes_per_entry,
+            },
+        )
+        self.store.add(context)
+        logger.info("sglang_kvx: compacted %d-token context with kvzip (p=%g): kept %s entries per attention layer",
+                    context.n, keep_fraction, keep.kept_per_layer)
+
+    def held_slots(self) -> int:
+        """Pool slots held outside SGLang's tree and requests: the store's and kvzip's held contexts."""
+        jobs = {id(job): job for job in self.kvzip_jobs.values()}
+        return self.store.slots_held() + sum(job.context.k_max for job in jobs.values())
 
     def _rank_slots(self, req, row: torch.Tensor, k_max: int) -> torch.Tensor | None:
         """Slots for the compacted context. Prefer the parent's own: the copy gathers each
@@ -460,6 +617,7 @@ class KvxRuntime:
     def forget_all(self) -> None:
         """After SGLang flushed its pools (every slot is free again), drop the store's references."""
         self.store.contexts.clear()
+        self.kvzip_jobs.clear()
         self.captures.clear()
         self.row_context.clear()
         self.position_offset.zero_()
@@ -472,6 +630,7 @@ class KvxRuntime:
             "compactions_failed": len(self.failed),
             "last_compaction_error": self.failed[-1] if self.failed else None,
             "contexts_evicted": self.evicted,
+            "kvzip_passes_pending": len(self.kvzip_jobs),
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
                 {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()
@@ -485,7 +644,7 @@ def _aborted(req) -> bool:
 
 
 # Signals captured during a parent's prefill (the rest, keys and values, are read from the pool).
-CAPTURED_SIGNALS = frozenset({"attention", "gdn", "output_gate", "queries"})
+CAPTURED_SIGNALS = frozenset({"attention", "gdn", "output_gate", "queries"})  # "reconstruction": second_pass.py
 
 
 class _ParentCapture:
@@ -505,6 +664,9 @@ class _ParentCapture:
         self.gdn: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # GDN layer id -> chunks of (beta, g, v_norm)
         self.query_stats: dict[int, list[Any]] = {}  # attention layer index -> per-chunk QueryStatistics
         self.conv_tail: dict[int, torch.Tensor] = {}
+        self.seconds = 0.0  # spent capturing during the prefill
+        self.pass_queries: dict[int, list[torch.Tensor]] = {}  # KVzip pass: attention layer -> chunks [t, Hq, D]
+        self.scaling: dict[int, float] = {}
 
     @staticmethod
     def add(store: dict, key: int, value) -> None:
