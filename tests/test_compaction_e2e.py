@@ -15,13 +15,16 @@ import torch
 
 from sglang_kvx.models.tokenizer import WORDS
 from sglang_kvx.policies import get_policy
+from sglang_kvx.reference.kvzip import reconstruction_attention
 from sglang_kvx.reference.signals import context_signals
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.serve.launcher import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-SERVED = ["random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv"]
+SERVED = ["random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv", "triattention", "kvzip", "gatesight"]
+HYBRID_ONLY = {"gatesight"}  # reads GDN signals and output gates
+HYBRID = {"tiny-hybrid", "tiny-hybrid-deep"}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -56,7 +59,21 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
 
 
 def compact(server, context, policy, keep_fraction, protected=0) -> dict:
-    return generate(server, context, 0, sampling=kvx(policy, keep_fraction, protected))
+    body = generate(server, context, 0, sampling=kvx(policy, keep_fraction, protected))
+    if policy == "kvzip":  # compacted once its reconstruction passes (internal requests) are done
+        deadline = time.monotonic() + 120
+        while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return body
+
+
+def offline_keep_set(ref, path, context, policy, keep_fraction, protected):
+    """The offline pipeline on HF: signals of one prefill (plus KVzip's second pass), score, allocate, select."""
+    signals = context_signals(ref, context, protected_prefix_len=protected)
+    if policy == "kvzip":
+        signals.reconstruction_attention = reconstruction_attention(ref, context, protected_prefix_len=protected)
+    options = {"model_path": path} if policy == "gatesight" else {}
+    return choose_keep_set(get_policy(policy)(**options), signals, keep_fraction)
 
 
 def ask(server, context, question, policy, keep_fraction, protected=0, max_new_tokens=10) -> dict:
@@ -94,16 +111,22 @@ def stored(server, n: int, policy: str, keep_fraction: float) -> dict:
 
 @pytest.mark.parametrize("keep_fraction", [0.5, 0.1])
 @pytest.mark.parametrize("policy", SERVED)
-def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, keep_fraction):
+def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, keep_fraction, demo_paths):
     name, server, ref = compacting
     seed = hash((policy, keep_fraction)) % 10_000
     context = ref.encode(text(220, seed))
     question = ref.encode("Question: which word comes next? Answer:")
     protected = 8
+    if policy in HYBRID_ONLY and name not in HYBRID:
+        # A dense model has no GDN signals: the request is refused, clearly, and nothing is stored.
+        response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **kvx(policy, keep_fraction)}})
+        assert response.status_code == 400 and "GateSight estimator" in response.text, response.text
+        assert not [c for c in server.stats()["compacted_contexts"] if c["policy"] == policy]
+        return
     compact(server, context, policy, keep_fraction, protected)
     entry = stored(server, len(context), policy, keep_fraction)
     served_keep = served_keep_set(server, len(context), policy, keep_fraction)
-    offline = choose_keep_set(get_policy(policy)(), context_signals(ref, context, protected_prefix_len=protected), keep_fraction)
+    offline = offline_keep_set(ref, demo_paths[name], context, policy, keep_fraction, protected)
     assert entry["kept_entries"] == offline.kept_per_layer
     # The server scored the same entries as the offline pipeline on HF's keys (up to float ties:
     # q/k-normed keys have near-equal norms, so knorm may swap a few).
@@ -124,9 +147,11 @@ def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, kee
     assert max(abs(a - b) for a, b in zip(served_lp, full_lp)) > 1e-4
 
 
-@pytest.mark.parametrize("policy", ["knorm", "streamingllm"])
+@pytest.mark.parametrize("policy", ["knorm", "streamingllm", "triattention", "kvzip", "gatesight"])
 def test_keep_fraction_one_reproduces_the_uncompacted_answer(compacting, policy):
     name, server, ref = compacting
+    if policy in HYBRID_ONLY and name not in HYBRID:
+        return  # refused on a dense model (checked above)
     context = ref.encode(text(150, seed=7))
     question = ref.encode("Question: what was said? Answer:")
     compact(server, context, policy, 1.0)

@@ -102,19 +102,25 @@ class KvxRuntime:
             return bool(params["compact"])
         return req.sampling_params.max_new_tokens == 0
 
-    def settings(self, req) -> tuple[str, float, int]:
-        """(policy, keep_fraction, protected_prefix_len) for a request: its custom_params
-        ``{"kvx": {...}}`` override the server's flags. Raises KvxConfigError on bad values."""
+    def settings(self, req) -> tuple[str, float, int, str]:
+        """(policy, keep_fraction, protected_prefix_len, allocation) for a request: its custom_params
+        ``{"kvx": {...}}`` override the server's flags (allocation: the policy's own unless named,
+        e.g. GateSight's scores under "flat" for the allocation ablation). Raises KvxConfigError on bad values."""
+        from sglang_kvx.allocate import allocation_names
+
         params = self._kvx_params(req)
         policy = params.get("policy", self.config.policy)
         if policy not in SERVABLE_POLICIES or policy == "none":
             valid = ", ".join(sorted(SERVABLE_POLICIES - {"none"}))
             raise KvxConfigError(f"kvx policy {policy!r} cannot compact here; valid choices: {valid}")
-        if self._policy(policy).allocation != "flat" and not self.per_layer_lengths:
-            raise KvxConfigError(f"kvx policy {policy!r} needs per-layer lengths: serve with --attention-backend kvx_torch_native")
+        allocation = params.get("allocation") or self._policy(policy).allocation
+        if allocation not in allocation_names():
+            raise KvxConfigError(f"kvx allocation {allocation!r} is unknown; valid choices: {', '.join(allocation_names())}")
+        if allocation != "flat" and not self.per_layer_lengths:
+            raise KvxConfigError(f"kvx allocation {allocation!r} needs per-layer lengths: serve with --attention-backend kvx_torch_native")
         keep_fraction = parse_keep_fraction(params.get("keep_fraction", self.config.keep_fraction))
         protected = parse_protected_prefix_len(params.get("protected_prefix_len", self.config.protected_prefix_len))
-        return policy, keep_fraction, protected
+        return policy, keep_fraction, protected, allocation
 
     def _policy(self, name: str):
         if name not in self._policies:
@@ -189,7 +195,7 @@ class KvxRuntime:
         setattr(req, _PARENT_CHECKED, True)
         n = len(req.origin_input_ids)
         try:
-            _, _, protected = self.settings(req)
+            _, _, protected, _ = self.settings(req)
         except KvxConfigError as exc:
             req.set_finish_with_abort(f"sglang_kvx: {exc}")
             return
@@ -410,8 +416,8 @@ class KvxRuntime:
         if compacted is not None:
             req.skip_radix_cache_insert = True  # SGLang frees every other slot of the full context
 
-    def compact(self, req, settings: tuple[str, float, int]) -> CompactedContext | None:
-        policy, keep_fraction, protected = settings
+    def compact(self, req, settings: tuple[str, float, int, str]) -> CompactedContext | None:
+        policy, keep_fraction, protected, allocation = settings
         t0 = time.perf_counter()
         context_ids = tuple(int(t) for t in req.origin_input_ids)
         n = len(context_ids)
@@ -421,7 +427,7 @@ class KvxRuntime:
         if capture is not None:
             capture.fill(signals, self.gdn_layer_ids, self.attention_layer_ids)
         t1 = time.perf_counter()
-        keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
+        keep = choose_keep_set(self._policy(policy), signals, keep_fraction, allocation)
         t2 = time.perf_counter()
         k_max = max(keep.kept_per_layer)
         slots = self._rank_slots(req, row, k_max)
@@ -438,6 +444,7 @@ class KvxRuntime:
             policy=policy,
             keep_fraction=keep_fraction,
             protected_prefix_len=protected,
+            allocation=allocation,
             slots=slots,
             kept_per_layer=keep.kept_per_layer,
             keep_positions=[p.cpu() for p in keep.positions],
@@ -494,7 +501,7 @@ class KvxRuntime:
             self._kvzip_prompt = reconstruction_prompt_ids(tokenizer)
         return self._kvzip_prompt
 
-    def _start_kvzip(self, req, settings: tuple[str, float, int]) -> None:
+    def _start_kvzip(self, req, settings: tuple[str, float, int, str]) -> None:
         """Hold the parent's full context and queue its reconstruction passes."""
         from sglang_kvx.policies.kvzip import reconstruction_inputs
 
@@ -561,11 +568,11 @@ class KvxRuntime:
             self.failed.append(job.failed)
             logger.error("sglang_kvx: kvzip compaction failed (%s); the context stays uncompacted", job.failed)
             return
-        policy, keep_fraction, protected = job.settings
+        policy, keep_fraction, protected, allocation = job.settings
         t0 = time.perf_counter()
         signals = self._read_signals(held, protected)
         signals.reconstruction_attention = job.totals
-        keep = choose_keep_set(self._policy(policy), signals, keep_fraction)
+        keep = choose_keep_set(self._policy(policy), signals, keep_fraction, allocation)
         t1 = time.perf_counter()
         k_max = max(keep.kept_per_layer)
         self._gather_kept(held, held, keep)
@@ -573,6 +580,7 @@ class KvxRuntime:
             self.allocator.free(held[k_max:])
         context = CompactedContext(
             context_ids=job.context.context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
+            allocation=allocation,
             slots=held[:k_max].clone(), kept_per_layer=keep.kept_per_layer, keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=job.context.gdn_snapshot,
             timings={

@@ -36,7 +36,7 @@ _ids = itertools.count()
 @dataclass
 class KVzipJob:
     context: CompactedContext  # the full context (k_max = n, every layer keeps every position)
-    settings: tuple[str, float, int]
+    settings: tuple[str, float, int, str]
     passes: dict[str, tuple[int, int]]  # rid -> (start, end) of its chunk
     totals: list[torch.Tensor]  # per attention layer [kv_heads, n]: running max of reconstruction attention
     started: float = field(default_factory=time.perf_counter)
@@ -81,11 +81,11 @@ def new_job_id() -> int:
     return next(_ids)
 
 
-def full_context(context_ids: tuple[int, ...], settings: tuple[str, float, int], slots: torch.Tensor,
+def full_context(context_ids: tuple[int, ...], settings: tuple[str, float, int, str], slots: torch.Tensor,
                  num_layers: int, gdn_snapshot: Any) -> CompactedContext:
-    policy, keep_fraction, protected = settings
+    policy, keep_fraction, protected, allocation = settings
     n = len(context_ids)
     return CompactedContext(
         context_ids=context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
-        slots=slots, kept_per_layer=[n] * num_layers, gdn_snapshot=gdn_snapshot,
+        allocation=allocation, slots=slots, kept_per_layer=[n] * num_layers, gdn_snapshot=gdn_snapshot,
     )

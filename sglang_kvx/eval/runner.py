@@ -40,6 +40,23 @@ def _generate(url: str, text: str, max_new_tokens: int, kvx: dict[str, Any]) -> 
     return response.json()
 
 
+def _policy_params(method: str) -> dict[str, Any]:
+    """"gatesight" -> its own allocation; "gatesight@flat" -> GateSight's scores under the flat allocation."""
+    policy, _, allocation = method.partition("@")
+    return {"policy": policy, **({"allocation": allocation} if allocation else {})}
+
+
+def _wait_for_second_passes(url: str, timeout: float = 600.0) -> None:
+    """KVzip compacts once its reconstruction passes ran; questions must find the compacted context."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while requests.get(url + "/kvx/stats", timeout=30).json().get("kvzip_passes_pending"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("kvzip reconstruction passes did not finish in time")
+        time.sleep(0.1)
+
+
 def evaluate(
     url: str,
     tasks: list[str],
@@ -66,8 +83,10 @@ def evaluate(
             context, turns = sample.context, [(sample.question, sample.answers)]
         for policy, p in methods:
             kvx = {"compact": False} if policy == FULL else {
-                "policy": policy, "keep_fraction": p, "protected_prefix_len": protected_prefix_len}
+                **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": protected_prefix_len}
             _generate(url, context, 0, kvx)  # the parent
+            if kvx.get("policy") == "kvzip":
+                _wait_for_second_passes(url)
             for question, answers in turns:
                 prediction = _generate(url, context + question, max_new_tokens, kvx)["text"]
                 totals[(task, policy, p)].append(METRICS[task](postprocess(prediction), answers))
@@ -141,12 +160,13 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_kvx.eval", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server; otherwise one is started on --model")
-    parser.add_argument("--model", default=None, help="model path (default: weights/tiny-hybrid-ruler, the demo hybrid fine-tuned on these formats)")
+    parser.add_argument("--model", default=None, help="model path (default: the embedded demo hybrid)")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--questions", type=int, default=1, help="questions per shared context (SCBench mode when > 1)")
-    parser.add_argument("--policies", default="random,knorm,streamingllm,keydiff,snapkv,h2o")
+    parser.add_argument("--policies", default="random,knorm,streamingllm,keydiff,snapkv,h2o,triattention,gatesight",
+                        help="comma-separated; POLICY@ALLOCATION overrides a policy's allocation (gatesight@flat, gatesight@pyramidkv)")
     parser.add_argument("--fractions", default="0.9,0.5,0.2,0.1")
     parser.add_argument("--protected-prefix-len", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -175,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         from sglang_kvx.serve.launcher import ServerProcess
 
         ensure_demo_models()
-        suite_model = weights_root() / "tiny-hybrid-ruler"
-        model_path = args.model or str(suite_model if suite_model.exists() else weights_root() / DEFAULT_MODEL)
+        model_path = args.model or str(weights_root() / DEFAULT_MODEL)
+        # KVzip's reconstruction pass re-reads the context after it: room for both.
+        context_length = (2 if any(p.startswith("kvzip") for p in policies) else 1) * args.length + args.max_new_tokens + 128
         # The server's own policy is irrelevant: every request names its settings.
-        with ServerProcess(model_path, "--kvx-policy", policies[0] if policies else "random",
-                           "--context-length", str(args.length + args.max_new_tokens + 64),
+        with ServerProcess(model_path, "--kvx-policy", policies[0].partition("@")[0] if policies else "random",
+                           "--context-length", str(context_length),
                            max_total_tokens=max(16384, 16 * args.length)) as server:
             rows = run(server.url, AutoTokenizer.from_pretrained(model_path))
     out = Path(args.out)

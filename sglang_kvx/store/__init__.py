@@ -27,6 +27,7 @@ class CompactedContext:
     slots: torch.Tensor  # LongTensor [k_max]: pool slots holding the kept entries (rank order)
     kept_per_layer: list[int]
     keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
+    allocation: str = "flat"  # how the budget was spread across attention layers
     gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
     timings: dict[str, float] = field(default_factory=dict)
     reuse_count: int = 0
@@ -38,8 +39,8 @@ class CompactedContext:
         return len(self.context_ids)
 
     @property
-    def settings(self) -> tuple[str, float, int]:
-        return (self.policy, self.keep_fraction, self.protected_prefix_len)
+    def settings(self) -> tuple[str, float, int, str]:
+        return (self.policy, self.keep_fraction, self.protected_prefix_len, self.allocation)
 
     @property
     def k_max(self) -> int:
@@ -53,13 +54,14 @@ class CompactedContext:
             "policy": self.policy,
             "keep_fraction": self.keep_fraction,
             "protected_prefix_len": self.protected_prefix_len,
+            "allocation": self.allocation,
             "reuse_count": self.reuse_count,
             "active_children": self.active_children,
             "timings": self.timings,
         }
 
 
-Settings = tuple  # (policy, keep_fraction, protected_prefix_len)
+Settings = tuple  # (policy, keep_fraction, protected_prefix_len, allocation)
 
 
 @dataclass
