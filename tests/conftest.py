@@ -17,7 +17,7 @@ from sglang_kvx.models.demo import ensure_demo_models, weights_root  # noqa: E40
 from sglang_kvx.reference.hf import HFReference  # noqa: E402
 from sglang_kvx.serve.launcher import ServerProcess  # noqa: E402
 
-DEMO = ("tiny-llama", "tiny-hybrid")
+DEMO = ("tiny-llama", "tiny-hybrid-deep")
 
 # Small pool and context so bad-input tests can exceed them cheaply.
 SERVER_ARGS = ("--context-length", "4096")

@@ -28,7 +28,7 @@ HYBRID = {"tiny-hybrid", "tiny-hybrid-deep"}
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid-deep"])
 def compacting(request, demo_paths, references):
     name = request.param
     server = ServerProcess(

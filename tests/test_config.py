@@ -50,9 +50,9 @@ def test_every_shipped_policy_is_served():
 
 def test_gatesight_without_estimators_for_the_model_is_refused(tmp_path, demo_paths):
     with pytest.raises(KvxConfigError, match="no GateSight estimator was trained for"):
-        build_config("gatesight", 0.5, model_path=demo_paths["tiny-hybrid"], estimator="")
+        build_config("gatesight", 0.5, model_path=demo_paths["tiny-hybrid-deep"], estimator="")
     with pytest.raises(KvxConfigError, match="holds no GateSight estimator"):
-        build_config("gatesight", 0.5, model_path=demo_paths["tiny-hybrid"], estimator=str(tmp_path))
+        build_config("gatesight", 0.5, model_path=demo_paths["tiny-hybrid-deep"], estimator=str(tmp_path))
 
 
 def test_gatesight_needs_a_hybrid_model(demo_paths):
@@ -61,9 +61,9 @@ def test_gatesight_needs_a_hybrid_model(demo_paths):
 
 
 def test_model_traits_from_config(demo_paths):
-    hybrid = model_traits(demo_paths["tiny-hybrid"])
+    hybrid = model_traits(demo_paths["tiny-hybrid-deep"])
     dense = model_traits(demo_paths["tiny-llama"])
-    assert hybrid.has_gdn and hybrid.has_output_gate and hybrid.num_attention_layers == 1
+    assert hybrid.has_gdn and hybrid.has_output_gate and hybrid.num_attention_layers == 2
     assert not dense.has_gdn and not dense.has_output_gate and dense.num_attention_layers == 4
     assert hybrid.num_kv_heads == dense.num_kv_heads == 2
     assert model_traits("/nonexistent/model") is None
@@ -78,7 +78,7 @@ def test_policy_the_model_cannot_serve_is_refused(demo_paths, monkeypatch):
 
     monkeypatch.setitem(POLICIES, NeedsGDN.name, NeedsGDN)  # registered for this test only
     monkeypatch.setattr(config_module, "SERVABLE_POLICIES", SERVABLE_POLICIES | {"_test_needs_gdn"})
-    build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid"])  # the hybrid has GDN signals
+    build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid-deep"])  # the hybrid has GDN signals
     with pytest.raises(KvxConfigError, match="needs gdn.*LlamaForCausalLM"):
         build_config("_test_needs_gdn", 0.5, demo_paths["tiny-llama"])
 

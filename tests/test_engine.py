@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_engine_generates_hf_greedy_tokens_on_the_hybrid(demo_paths, references):
-    ref = references["tiny-hybrid"]
-    engine = Engine(model_path=demo_paths["tiny-hybrid"], max_total_tokens=4096, kvx_policy="none")
+    ref = references["tiny-hybrid-deep"]
+    engine = Engine(model_path=demo_paths["tiny-hybrid-deep"], max_total_tokens=4096, kvx_policy="none")
     try:
         prompts = [ref.encode("The special magic number for forest is 31337. Remember it."), ref.encode("red blue green " * 30)]
         outputs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})

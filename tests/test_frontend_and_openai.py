@@ -25,7 +25,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def server(demo_paths):
-    with ServerProcess(demo_paths["tiny-hybrid"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
+    with ServerProcess(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
                        max_total_tokens=8192) as server:
         yield server
 

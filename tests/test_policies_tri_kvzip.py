@@ -45,7 +45,7 @@ def contexts(references):
 # --- TriAttention: RoPE, statistics, prediction -------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 def test_rotate_is_the_models_rope_and_inverts(references, name):
     """Our rotation equals the model's own apply_rotary_pos_emb (partial on the hybrid) and un-rotates exactly."""
     ref = references[name]
@@ -53,7 +53,7 @@ def test_rotate_is_the_models_rope_and_inverts(references, name):
     module = __import__(type(model.model.layers[0]).__module__, fromlist=["apply_rotary_pos_emb"])
     inv_freq = rope_inv_freq(model)
     head_dim = model.config.head_dim
-    assert 2 * inv_freq.shape[0] == (head_dim // 4 if name == "tiny-hybrid" else head_dim)
+    assert 2 * inv_freq.shape[0] == (head_dim // 4 if name == "tiny-hybrid-deep" else head_dim)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 50, head_dim, generator=gen)
     k = torch.randn(1, 2, 50, head_dim, generator=gen)
@@ -130,7 +130,7 @@ def test_statistics_of_chunks_combine_to_the_whole():
     torch.testing.assert_close(parts.magnitude, whole.magnitude)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 def test_producer_statistics_are_the_models_pre_rope_queries(references, contexts, name):
     """The offline producer's centre is the mean of the model's own pre-RoPE queries (q_proj, or q_norm on Qwen3.5)."""
     ref, ids = references[name], contexts[name]
@@ -230,7 +230,7 @@ def kvzip_brute_force(ref, context_ids, prompt, prefix, chunk_size):
     return totals
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 @pytest.mark.parametrize("prefix,chunk_size", [(0, 2000), (3, 17)])
 def test_hf_reconstruction_pass_matches_the_models_attention(references, contexts, name, prefix, chunk_size):
     ref, ids = references[name], contexts[name]
@@ -264,7 +264,7 @@ def test_missing_signals_are_clear_errors(references, contexts):
         get_policy("kvzip")().score(signals, 0)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 def test_selection_keeps_the_prefix_and_each_policys_best(references, contexts, name):
     ref, ids = references[name], contexts[name]
     prefix = 4

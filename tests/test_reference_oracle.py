@@ -6,7 +6,7 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 def test_keep_all_equals_plain_greedy(references, name):
     ref = references[name]
     context = ref.encode("red blue green river mountain forest " * 20)
@@ -28,6 +28,6 @@ def test_dropping_entries_changes_the_answer(references):
 
 
 def test_keep_set_with_wrong_layer_count_is_refused(references):
-    ref = references["tiny-hybrid"]
+    ref = references["tiny-hybrid-deep"]
     with pytest.raises(ValueError, match="attention layers"):
         ref.compacted_greedy([1, 2, 3], [], [4], 1)

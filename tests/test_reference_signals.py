@@ -14,7 +14,7 @@ def contexts(references):
     return {name: ref.encode("red blue green river mountain forest " * 25) for name, ref in references.items()}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid-deep"])
 def test_keys_and_values_are_the_cached_ones(references, contexts, name):
     ref, ids = references[name], contexts[name]
     signals = context_signals(ref, ids, window=16)
@@ -40,7 +40,7 @@ def test_column_sums_equal_eager_attention_weights(references, contexts):
 
 
 def test_gdn_and_gate_signals_follow_the_module_math(references, contexts):
-    ref, ids = references["tiny-hybrid"], contexts["tiny-hybrid"]
+    ref, ids = references["tiny-hybrid-deep"], contexts["tiny-hybrid-deep"]
     signals = context_signals(ref, ids)
     layers = ref.model.model.layers
     captured = {}

@@ -16,8 +16,12 @@ import torch
 
 from sglang_kvx.models.tokenizer import VOCAB_SIZE, build_tokenizer
 
-DEFAULT_MODEL = "tiny-hybrid"
-DEMO_MODELS = ("tiny-hybrid", "tiny-llama")  # shipped in weights/
+# The embedded default: 8 layers (3 GDN + 1 gated attention, twice), grown from tiny-hybrid-ruler
+# and fine-tuned on the evaluation suite (training/finetune_ruler.py --grow 2); ships trained.
+DEFAULT_MODEL = "tiny-hybrid-deep"
+DEMO_MODELS = ("tiny-hybrid-deep", "tiny-hybrid", "tiny-llama")  # shipped in weights/
+TRAINED_ONLY = {"tiny-hybrid-deep": "python -m sglang_kvx.training.finetune_ruler --init weights/tiny-hybrid-ruler "
+                                    "--out weights/tiny-hybrid-deep --grow 2 --minutes 30"}
 EXTRA_MODELS = ("tiny-qwen3",)  # built on demand (tests: a second dense architecture)
 
 # Large enough for the long-context benchmarks (4K+ contexts plus questions).
@@ -164,6 +168,8 @@ def ensure_demo_models(names: tuple[str, ...] = DEMO_MODELS) -> list[Path]:
     for name in names:
         path = weights_root() / name
         if not (path / "config.json").exists():
+            if name in TRAINED_ONLY:
+                raise FileNotFoundError(f"{path} is missing and has no random stand-in; retrain it: {TRAINED_ONLY[name]}")
             build_demo_model(name, path)
         paths.append(path)
     return paths

@@ -110,6 +110,26 @@ def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 102
     return {"steps": steps, "tokens": tokens, "minutes": round((time.monotonic() - start) / 60, 2), "final_answer_loss": ema}
 
 
+def half_life_report(model, tokenizer, length: int = 1024, seed: int = 0) -> dict:
+    """Per GDN value head, its half-life (ln 0.5 / mean log-decay) on two unrelated suite documents,
+    and how stable the ordering of heads is across them (Spearman over all heads; the GateSight
+    paper reports 0.99 on its models)."""
+    from sglang_kvx.training.train_demo import measure_gdn_half_lives, summarize_half_lives
+
+    docs = [generate_sample(task, length, seed=TRAIN_SEED_BASE + seed, index=i, tokenizer=tokenizer)
+            for i, task in enumerate(("niah_single_2", "vt"))]
+    runs = [measure_gdn_half_lives(model, tokenizer(d.prompt).input_ids) for d in docs]
+    flat = [torch.tensor([h for layer in run.values() for h in layer]) for run in runs]
+    ranks = [f.argsort().argsort().float() for f in flat]
+    spearman = float(torch.corrcoef(torch.stack(ranks))[0, 1])
+    return {
+        "definition": f"ln(0.5) / mean_t g_t per value head over a {length}-token document",
+        "per_head": runs[0],
+        "per_layer": summarize_half_lives(runs[0]),
+        "spearman_across_documents": round(spearman, 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init", default="weights/tiny-hybrid")
@@ -135,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     result = finetune(model, tokenizer, args.minutes, args.seed, lengths=lengths, tasks=tasks)
     meta["ruler_finetune"] = {**result, "tasks": list(tasks), "lengths": list(lengths), "grow": args.grow, "seed": args.seed,
                               "command": "python -m sglang_kvx.training.finetune_ruler " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
+        with torch.no_grad():
+            meta["gdn_half_lives"] = half_life_report(model.eval(), tokenizer)
     save_checkpoint(model, tokenizer, args.out, meta)
     print(json.dumps(result))
     return 0
