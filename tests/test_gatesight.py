@@ -140,3 +140,28 @@ def test_estimator_round_trip_and_model_check(tmp_path):
     (other / "model.safetensors").write_bytes(b"weights-b")
     with pytest.raises(EstimatorMismatch, match="was trained for model 'model'"):
         GateSightEstimator.load(tmp_path / "est", model_path=other)
+
+
+def test_training_pipeline_writes_estimators_that_serve_only_their_model(tmp_path, demo_paths):
+    """The real pipeline at toy size: labels from HF, MLP + baselines, held-out report, manifest."""
+    from sglang_kvx.policies import get_policy
+    from sglang_kvx.reference.hf import HFReference
+    from sglang_kvx.reference.signals import context_signals
+    from sglang_kvx.select import choose_keep_set
+    from sglang_kvx.training.train_gatesight import main as train
+
+    out = tmp_path / "estimator"
+    report = train(["--model", demo_paths["tiny-hybrid-deep"], "--out", str(out), "--train-docs", "3",
+                    "--heldout-docs", "2", "--lengths", "512", "--questions", "1", "--epochs", "1",
+                    "--tasks", "niah_single_1,vt"])
+    assert set(report) == {"mlp", "ridge", "best_single_signal", "age_only"}
+    assert all(0.0 <= r["overlap_at_10"] <= 1.0 for r in report.values())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model_name"] == "tiny-hybrid-deep" and manifest["num_attention_layers"] == 2
+    assert manifest["heldout_report"] == report
+    policy = get_policy("gatesight")(estimator=out, model_path=demo_paths["tiny-hybrid-deep"])
+    ref = HFReference(demo_paths["tiny-hybrid-deep"])
+    keep = choose_keep_set(policy, context_signals(ref, ref.encode("some words to keep " * 20)), 0.5)
+    assert keep.num_layers == 2
+    with pytest.raises(EstimatorMismatch):
+        get_policy("gatesight")(estimator=out, model_path=demo_paths["tiny-llama"])
