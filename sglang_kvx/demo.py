@@ -1,6 +1,6 @@
 """The main job: serve the embedded demo model, one long shared context, several questions, full vs compacted.
 
-    sglang-kvx demo [--model tiny-hybrid] [--policy keydiff] [--keep-fraction 0.3]
+    sglang-kvx demo [--model tiny-hybrid-deep] [--policy gatesight] [--keep-fraction 0.3]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _answer_all(server, context: str, questions, kvx: dict, max_new_tokens: int)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sglang-kvx demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=DEMO_MODELS)
-    parser.add_argument("--policy", default="keydiff", help="policy of the compacted pass")
+    parser.add_argument("--policy", default="gatesight", help="policy of the compacted pass")
     parser.add_argument("--keep-fraction", default="0.3")
     parser.add_argument("--sentences", type=int, default=60, help="filler sentences in the shared context")
     parser.add_argument("--max-new-tokens", type=int, default=8)

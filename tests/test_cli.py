@@ -24,10 +24,11 @@ def our_error_lines(stderr: str) -> list[str]:
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: h2o, keydiff, knorm, none, pyramidkv, random, snapkv, streamingllm"),
+        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: gatesight, h2o, keydiff, knorm, kvzip, none, pyramidkv, random, snapkv, streamingllm, triattention"),
         (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be in (0, 1], got 0"),
         (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),
+        (("--kvx-policy", "gatesight"), "--kvx-policy gatesight needs gdn, output_gate, which LlamaForCausalLM does not provide"),
     ],
 )
 def test_bad_flags_fail_fast_with_one_line(demo_paths, flags, expected):
