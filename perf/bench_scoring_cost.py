@@ -35,6 +35,7 @@ def gatesight_costs(model: str, contexts: list[int], keep_fraction: float) -> di
     server = ServerProcess(
         weights_root() / model, "--kvx-policy", "gatesight", "--kvx-keep-fraction", str(keep_fraction),
         "--context-length", str(longest + 512), "--chunked-prefill-size", str(longest),
+        "--mem-fraction-static", "0.3",  # SGLang derives a negative one from a large chunked prefill on CPU
         max_total_tokens=2 * longest + 1024,
     )
     out = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sys
 from typing import Any
 
@@ -226,6 +227,14 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
 
         _RUNTIME = KvxRuntime(scheduler, config)
         KvxTorchNativeAttnBackend.dead_ranks = _RUNTIME.dead_ranks
+        # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
+        if _on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute":
+            from sglang_kvx.models.gdn_backend import TorchGDNAttnBackend
+
+            # Our GDN backend passes on the signals it computes; SGLang's kernels (GPU) get them
+            # recomputed from the layer's inputs in _around_linear_attention instead.
+            TorchGDNAttnBackend.signal_listener = _RUNTIME.capture_gdn_from_backend
+            _RUNTIME.gdn_signals_from_backend = True
 
 
 def _around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):
@@ -269,7 +278,7 @@ def _after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
 
 
 def _around_linear_attention(original, layer, forward_batch, *args, **kwargs):
-    if _RUNTIME is not None and _RUNTIME.captures:
+    if _RUNTIME is not None and _RUNTIME.captures and not _RUNTIME.gdn_signals_from_backend:
         mixed_qkv, a, b = _linear_attention_inputs(args, kwargs)
         _RUNTIME.capture_gdn(layer, forward_batch, mixed_qkv, a, b)
     return original(layer, forward_batch, *args, **kwargs)

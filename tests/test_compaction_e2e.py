@@ -251,3 +251,21 @@ def test_a_full_cache_request_never_adopts_a_compacted_context(compacting):
     assert stored(server, len(context), "knorm", 0.5)["reuse_count"] == 0
     child = generate(server, context + question, 6)  # no settings: the server's, so it is a child
     assert child["meta_info"]["cached_tokens"] == stored(server, len(context), "knorm", 0.5)["slots"]
+
+
+def test_gdn_signals_recomputed_from_the_layer_inputs_match(demo_paths, references):
+    """The route SGLang's own GDN kernels take (signals recomputed around RadixLinearAttention,
+    not handed over by our CPU backend) yields the same GateSight keep-set as the offline pipeline."""
+    name = "tiny-hybrid-deep"
+    ref = references[name]
+    server = ServerProcess(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
+                           "--context-length", "4096", "--chunked-prefill-size", "128",  # several chunks: the conv carries over
+                           max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
+    with server:
+        context = ref.encode(text(300, seed=5))
+        compact(server, context, "gatesight", 0.2, protected=4)
+        served = served_keep_set(server, len(context), "gatesight", 0.2)
+        offline = offline_keep_set(ref, demo_paths[name], context, "gatesight", 0.2, 4)
+        assert [s.shape[1] for s in served] == offline.kept_per_layer
+        for got, expected in zip(served, offline.positions):
+            assert overlap(got, expected) >= 0.9

@@ -61,6 +61,8 @@ class KvxRuntime:
         self.hf_config = hf
         self.gdn_layer_ids = list(getattr(hf, "linear_layer_ids", None) or [])
         self._inv_freq: torch.Tensor | None = None
+        # True when the GDN backend hands its signals over (ours, on CPU); else capture_gdn recomputes them.
+        self.gdn_signals_from_backend = False
         self.mamba_pool = getattr(self.req_to_token_pool, "mamba_pool", None)
         self.store = ContextStore()
         self.skipped_no_room = 0
@@ -353,6 +355,17 @@ class KvxRuntime:
             v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
             capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
             capture.seconds += time.perf_counter() - t0
+
+    def capture_gdn_from_backend(self, layer, forward_batch, i: int, beta: torch.Tensor, g: torch.Tensor, v: torch.Tensor) -> None:
+        """Our CPU GDN backend hands over what it computed anyway (``TorchGDNAttnBackend.signal_listener``)."""
+        if not self.captures or not forward_batch.forward_mode.is_extend():
+            return
+        capture = self.captures.get(int(forward_batch.req_pool_indices[i]))
+        if capture is None or "gdn" not in capture.signals:
+            return
+        t0 = time.perf_counter()
+        capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v.float().norm(dim=-1)))
+        capture.seconds += time.perf_counter() - t0
 
     def capture_output_gate(self, layer_id: int, gate: torch.Tensor, forward_batch) -> None:
         """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""

@@ -23,6 +23,10 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
 
     supports_mis = False
     needs_cpu_seq_lens = False
+    # Set by the compaction runtime when a policy reads GDN signals: called per request row of an
+    # extend with (layer, forward_batch, row, beta [t, Hv], g [t, Hv], v [t, Hv, Dv] after the conv),
+    # so the signals cost no recomputation on this backend.
+    signal_listener = None
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
@@ -65,6 +69,8 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
                 conv_states[slot] if continues else None, layer.activation,
             )
             q, k, v = self._split_heads(x, layer)
+            if self.signal_listener is not None:
+                self.signal_listener(layer, forward_batch, i, beta[start:end], g[start:end], v)
             state0 = ssm_states[slot].transpose(-1, -2) if continues else None
             o, state = gated_delta_rule_chunked(q, k, v, g[start:end], beta[start:end], state0)
             ssm_states[slot] = state.transpose(-1, -2).to(ssm_states.dtype)

@@ -121,12 +121,16 @@ def causal_conv1d(
     T, C = x.shape
     K = weight.shape[-1]
     history = torch.zeros(C, K - 1, dtype=x.dtype, device=x.device) if conv_state is None else conv_state.to(x.dtype)
-    padded = torch.cat([history, x.transpose(0, 1)], dim=1)  # [C, K-1+T]
-    windows = padded.unfold(1, K, 1)  # [C, T, K]
-    y = (windows.float() * weight.float()[:, None, :]).sum(-1)
+    padded = torch.cat([history.transpose(0, 1), x]).float()  # [K-1+T, C], time-major like x
+    w = weight.float()
+    # K shifted multiply-adds over contiguous rows (an unfold over time is ~10x slower on CPU).
+    y = padded[0:T] * w[:, 0]
+    for k in range(1, K):
+        y = y + padded[k : k + T] * w[:, k]
     if bias is not None:
-        y = y + bias.float()[:, None]
-    return _activate(y, activation).transpose(0, 1).to(x.dtype), padded[:, -(K - 1):].clone()
+        y = y + bias.float()
+    new_state = padded[T:].transpose(0, 1).to(x.dtype).contiguous()  # the last K-1 inputs, [C, K-1]
+    return _activate(y, activation).to(x.dtype), new_state
 
 
 def causal_conv1d_step(
