@@ -7,27 +7,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
 
 from sglang_kvx.models.demo import DEFAULT_MODEL, DEMO_MODELS, ensure_demo_models, weights_root
-from sglang_kvx.models.tokenizer import WORDS
 from sglang_kvx.serve.launcher import ServerProcess
 
-KEYS = ["river", "garden", "library", "market", "forest", "bridge"]
 
 
-def build_session(n_sentences: int, seed: int) -> tuple[str, list[tuple[str, str]]]:
-    """A long document with a few facts hidden in filler, and one question per fact."""
-    rng = random.Random(seed)
-    facts = {key: str(rng.randint(10000, 99999)) for key in KEYS}
-    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))) + "." for _ in range(n_sentences)]
-    for key, value in facts.items():
-        sentences.insert(rng.randrange(len(sentences)), f"The special magic number for {key} is {value}.")
-    context = "Read the document and remember it.\n" + " ".join(sentences) + "\n"
-    questions = [(f"Question: what is the special magic number for {key}? Answer: The special magic number for {key} is", value) for key, value in facts.items()]
-    return context, questions
+def build_session(length: int, seed: int, num_questions: int = 4) -> tuple[str, list[tuple[str, str]]]:
+    """One long document with several keyed facts hidden in an essay, and one question per fact:
+    the evaluation suite's multi-key needle task in its shared-context (SCBench) mode."""
+    from sglang_kvx.eval.tasks import generate_session
+
+    session = generate_session("niah_multikey_1", length, num_questions=num_questions, seed=seed)
+    return session.context, [(turn.question, turn.answers[0]) for turn in session.turns]
 
 
 def _answer_all(server, context: str, questions, kvx: dict, max_new_tokens: int) -> tuple[int, float]:
@@ -44,7 +38,7 @@ def _answer_all(server, context: str, questions, kvx: dict, max_new_tokens: int)
         ok = expected in body["text"]
         correct += ok
         print(
-            f"  Q: {question.split('Answer:')[0].removeprefix('Question: ').strip()}\n"
+            f"  Q: {question.split('?')[0].strip()}?\n"
             f"  A: {body['text'].strip()!r} ({'right' if ok else 'wrong, expected ' + expected}; "
             f"{latencies[-1]:.2f} s, {meta['cached_tokens']} cached of {meta['prompt_tokens']} prompt tokens)"
         )
@@ -56,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=DEMO_MODELS)
     parser.add_argument("--policy", default="gatesight", help="policy of the compacted pass")
     parser.add_argument("--keep-fraction", default="0.3")
-    parser.add_argument("--sentences", type=int, default=60, help="filler sentences in the shared context")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--length", type=int, default=1536, help="tokens of context + question")
+    parser.add_argument("--questions", type=int, default=4, help="questions asked of the one shared context")
+    parser.add_argument("--max-new-tokens", type=int, default=12)
     args = parser.parse_args(argv)
 
     ensure_demo_models()
     model_path = weights_root() / args.model
-    context, questions = build_session(args.sentences, seed=0)
+    context, questions = build_session(args.length, seed=0, num_questions=args.questions)
 
     print(f"[sglang-kvx demo] starting SGLang on {args.model} with --kvx-policy {args.policy} --kvx-keep-fraction {args.keep_fraction} ...", flush=True)
     server = ServerProcess(model_path, "--kvx-policy", args.policy, "--kvx-keep-fraction", str(args.keep_fraction), max_total_tokens=16384)
