@@ -196,6 +196,10 @@ def test_compaction_frees_the_context_and_nothing_leaks(compacting):
     for i in range(3):
         ask(server, context, ref.encode(f" question {i}?"), "streamingllm", 0.1)
     generate(server, ref.encode(text(50, seed=22)), 5)
+    second = ref.encode(text(120, seed=24))  # KVzip: held context + internal reconstruction passes
+    compact(server, second, "kvzip", 0.2)
+    ask(server, second, ref.encode(" and?"), "kvzip", 0.2)
+    assert server.stats()["kvzip_passes_pending"] == 0
     bad = server.generate({"input_ids": ref.encode(text(3000, seed=23)), "sampling_params": {"max_new_tokens": 4}})
     assert bad.status_code == 400
     with pytest.raises(requests.Timeout):

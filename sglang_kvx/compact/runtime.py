@@ -35,7 +35,7 @@ from sglang_kvx.config import (
 )
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
-from sglang_kvx.compact.second_pass import PASS_RID_PREFIX, KVzipJob, full_context, make_pass_request, new_job_id, pass_length
+from sglang_kvx.compact.second_pass import KVzipSecondPass
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class KvxRuntime:
         self.skipped_no_room = 0
         self.failed: list[str] = []  # why compactions failed (the context then stays uncompacted)
         self.scheduler = scheduler
-        self.kvzip_jobs: dict[str, KVzipJob] = {}  # pass request id -> its job (KVzip's second pass)
-        self._kvzip_prompt: tuple[list[int], list[int], list[int]] | None = None
+        self.kvzip = KVzipSecondPass(self)  # KVzip's reconstruction passes and the contexts they hold
         self.evicted = 0
         self.tree_cache = scheduler.tree_cache
         self.row_context: dict[int, CompactedContext] = {}
@@ -138,7 +137,7 @@ class KvxRuntime:
             return not req.kv.holds_kv
         if req.output_ids or req.finished():
             return False
-        job = self.kvzip_jobs.get(req.rid)
+        job = self.kvzip.jobs.get(req.rid)
         if job is not None:  # a KVzip reconstruction pass: a child of the held full context
             context = job.context
             self.make_room(len(req.origin_input_ids) - context.n, keep=context)
@@ -207,7 +206,7 @@ class KvxRuntime:
             )
             return
         if self.settings(req)[0] == "kvzip":
-            longest = n + pass_length(n, self.kvzip_prompt(), protected)
+            longest = n + self.kvzip.pass_length(n, protected)
             limit = self.scheduler.model_config.context_len
             if longest > limit:
                 req.set_finish_with_abort(
@@ -242,13 +241,13 @@ class KvxRuntime:
                 continue
             self.position_offset[row] = context.n - context.k_max
             self.row_context[row] = context
-            if req.rid in self.kvzip_jobs and row not in self.captures:
+            if req.rid in self.kvzip.jobs and row not in self.captures:
                 self.captures[row] = _ParentCapture(
                     n=len(req.origin_input_ids), num_layers=len(self.attention_layer_ids), window=0,
                     column_sums=False, signals=frozenset({"reconstruction"}),
                 )
             if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
-                self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self._mamba_slot(req))
+                self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self.mamba_slot(req))
                 # SGLang zeroes a fresh request's state slot later in the same prepare step
                 # (a deferred clear); this slot now holds the parent's state instead.
                 req.kv.mamba_needs_clear = False
@@ -398,8 +397,8 @@ class KvxRuntime:
     def before_release(self, req) -> None:
         context = getattr(req, _CHILD, None)
         if context is not None:
-            if req.rid in self.kvzip_jobs:
-                self._finish_pass(req)
+            if req.rid in self.kvzip.jobs:
+                self.kvzip.finish_pass(req)
             if req.finished():
                 context.active_children -= 1
             if req.kv.holds_kv:
@@ -408,7 +407,7 @@ class KvxRuntime:
             return
         if not (req.finished() and self.is_parent(req) and req.kv.holds_kv):
             return
-        if _aborted(req):
+        if is_aborted(req):
             self.captures.pop(int(req.kv.req_pool_idx), None)
             return
         settings = self.settings(req)  # validated when the request entered (_check_parent)
@@ -417,7 +416,7 @@ class KvxRuntime:
             req.skip_radix_cache_insert = True  # the compacted copy already serves this context
             return
         if settings[0] == "kvzip":
-            self._start_kvzip(req, settings)
+            self.kvzip.start(req, settings)
             return
         try:
             compacted = self.compact(req, settings)
@@ -435,7 +434,7 @@ class KvxRuntime:
         context_ids = tuple(int(t) for t in req.origin_input_ids)
         n = len(context_ids)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
-        signals = self._read_signals(row, protected)
+        signals = self.read_signals(row, protected)
         capture = self.captures.pop(int(req.kv.req_pool_idx), None)
         if capture is not None:
             capture.fill(signals, self.gdn_layer_ids, self.attention_layer_ids)
@@ -448,10 +447,10 @@ class KvxRuntime:
             logger.warning("sglang_kvx: no room for %d compacted slots; the %d-token context stays uncompacted", k_max, n)
             self.skipped_no_room += 1
             return None
-        self._gather_kept(row, slots, keep)
+        self.gather_kept(row, slots, keep)
         snapshot = None
         if self.mamba_pool is not None:
-            snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req))
+            snapshot = self.mamba_pool.get_cpu_copy(self.mamba_slot(req))
         context = CompactedContext(
             context_ids=context_ids,
             policy=policy,
@@ -477,7 +476,7 @@ class KvxRuntime:
         )
         return context
 
-    def _read_signals(self, row: torch.Tensor, protected: int) -> ContextSignals:
+    def read_signals(self, row: torch.Tensor, protected: int) -> ContextSignals:
         """Keys and values of the context in slots ``row``, per attention layer [kv_heads, n, D]."""
         keys, values = [], []
         for layer_id in self.attention_layer_ids:
@@ -488,7 +487,7 @@ class KvxRuntime:
             keys=keys, values=values, protected_prefix_len=protected,
         )
 
-    def _gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep) -> None:
+    def gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep) -> None:
         """Copy each (layer, KV head)'s kept entries, in rank order, from the context's slots ``row``
         into ``slots``. Each assignment reads its source before writing, so ``slots`` may be
         the first k_max of ``row`` itself."""
@@ -502,116 +501,9 @@ class KvxRuntime:
                 key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
                 value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
 
-    # --- KVzip: the second pass (see compact/second_pass.py) ----------------------------------
-
-    def kvzip_prompt(self) -> tuple[list[int], list[int], list[int]]:
-        if self._kvzip_prompt is None:
-            from sglang_kvx.policies.kvzip import reconstruction_prompt_ids
-
-            tokenizer = getattr(self.scheduler, "tokenizer", None)
-            if tokenizer is None:
-                raise KvxConfigError("kvx policy 'kvzip' needs the server's tokenizer (do not pass --skip-tokenizer-init)")
-            self._kvzip_prompt = reconstruction_prompt_ids(tokenizer)
-        return self._kvzip_prompt
-
-    def _start_kvzip(self, req, settings: tuple[str, float, int, str]) -> None:
-        """Hold the parent's full context and queue its reconstruction passes."""
-        from sglang_kvx.policies.kvzip import reconstruction_inputs
-
-        context_ids = tuple(int(t) for t in req.origin_input_ids)
-        n = len(context_ids)
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.long)
-        if int(req.kv.cache_protected_len) == 0:
-            slots = row.clone()
-            req.kv.cache_protected_len = n  # SGLang frees none of them: they are the job's now
-        else:  # part of the context was a radix-cache hit (the tree's slots): take a copy
-            slots = self.allocator.alloc(n)
-            if slots is None:
-                self.skipped_no_room += 1
-                logger.warning("sglang_kvx: no room to hold a %d-token context for kvzip; it stays uncompacted", n)
-                return
-            slots = slots.to(torch.long)
-            for layer_id in self.attention_layer_ids:
-                for buffer in (self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)):
-                    buffer[slots] = buffer[row]
-        req.skip_radix_cache_insert = True
-        snapshot = self.mamba_pool.get_cpu_copy(self._mamba_slot(req)) if self.mamba_pool is not None else None
-        context = full_context(context_ids, settings, slots, len(self.attention_layer_ids), snapshot)
-        job = KVzipJob(context=context, settings=settings, passes={},
-                       totals=[torch.zeros(self.num_kv_heads, n) for _ in self.attention_layer_ids])
-        job_id = new_job_id()
-        passes = reconstruction_inputs(list(context_ids), *self.kvzip_prompt(), protected_prefix_len=settings[2])
-        requests = []
-        for i, (start, end, ids) in enumerate(passes):
-            rid = f"{PASS_RID_PREFIX}{job_id}-{i}"
-            job.passes[rid] = (start, end)
-            self.kvzip_jobs[rid] = job
-            requests.append(make_pass_request(rid, list(context_ids) + ids))
-        for pass_request in requests:
-            self.scheduler.handle_generate_request(pass_request)
-        logger.info("sglang_kvx: kvzip holds a %d-token context for %d reconstruction pass(es)", n, len(passes))
-
-    def _finish_pass(self, req) -> None:
-        """A reconstruction pass leaves: fold its attention into the job's scores (its KV is still in the pool)."""
-        job = self.kvzip_jobs.pop(req.rid)
-        row_index = int(req.kv.req_pool_idx)
-        capture = self.captures.pop(row_index, None)
-        start, end = job.passes.pop(req.rid)
-        if _aborted(req) or not req.finished() or not req.kv.holds_kv or capture is None or len(capture.pass_queries) != len(self.attention_layer_ids):
-            job.failed = job.failed or f"reconstruction pass {req.rid} did not complete"
-        else:
-            t0 = time.perf_counter()
-            from sglang_kvx.policies.kvzip import accumulate_reconstruction_attention
-
-            total_len = len(req.origin_input_ids)
-            row = self.req_to_token_pool.req_to_token[row_index, :total_len].to(torch.long)
-            for layer, layer_id in enumerate(self.attention_layer_ids):
-                keys = self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1).float()  # [Hkv, n + m, D]
-                queries = torch.cat(capture.pass_queries[layer]).transpose(0, 1)  # [Hq, m, D]
-                accumulate_reconstruction_attention(job.totals[layer], queries, keys, start, end,
-                                                    protected_prefix_len=job.settings[2], scaling=capture.scaling[layer])
-            job.accumulate_s += time.perf_counter() - t0
-        if not job.passes:
-            self._complete_kvzip(job)
-
-    def _complete_kvzip(self, job: KVzipJob) -> None:
-        held = job.context.slots
-        if job.failed is not None:
-            self.allocator.free(held)
-            self.failed.append(job.failed)
-            logger.error("sglang_kvx: kvzip compaction failed (%s); the context stays uncompacted", job.failed)
-            return
-        policy, keep_fraction, protected, allocation = job.settings
-        t0 = time.perf_counter()
-        signals = self._read_signals(held, protected)
-        signals.reconstruction_attention = job.totals
-        keep = choose_keep_set(self._policy(policy), signals, keep_fraction, allocation)
-        t1 = time.perf_counter()
-        k_max = max(keep.kept_per_layer)
-        self._gather_kept(held, held, keep)
-        if k_max < len(held):
-            self.allocator.free(held[k_max:])
-        context = CompactedContext(
-            context_ids=job.context.context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
-            allocation=allocation,
-            slots=held[:k_max].clone(), kept_per_layer=keep.kept_per_layer, keep_positions=[p.cpu() for p in keep.positions],
-            gdn_snapshot=job.context.gdn_snapshot,
-            timings={
-                "second_pass_s": t0 - job.started,  # queueing + prefill of the reconstruction passes
-                "accumulate_s": job.accumulate_s,
-                "score_select_s": t1 - t0,
-                "compact_s": time.perf_counter() - t1,
-                "bytes_moved": sum(keep.kept_per_layer) * self.bytes_per_entry,
-            },
-        )
-        self.store.add(context)
-        logger.info("sglang_kvx: compacted %d-token context with kvzip (p=%g): kept %s entries per attention layer",
-                    context.n, keep_fraction, keep.kept_per_layer)
-
     def held_slots(self) -> int:
-        """Pool slots held outside SGLang's tree and requests: the store's and kvzip's held contexts."""
-        jobs = {id(job): job for job in self.kvzip_jobs.values()}
-        return self.store.slots_held() + sum(job.context.k_max for job in jobs.values())
+        """Pool slots held outside SGLang's tree and requests: the store's and KVzip's held contexts."""
+        return self.store.slots_held() + self.kvzip.held_slots()
 
     def _rank_slots(self, req, row: torch.Tensor, k_max: int) -> torch.Tensor | None:
         """Slots for the compacted context. Prefer the parent's own: the copy gathers each
@@ -628,7 +520,7 @@ class KvxRuntime:
         fresh = self.allocator.alloc(k_max)
         return None if fresh is None else fresh.to(torch.long)
 
-    def _mamba_slot(self, req) -> torch.Tensor:
+    def mamba_slot(self, req) -> torch.Tensor:
         index = req.kv.mamba_pool_idx.reshape(1).to(torch.long)
         translate = getattr(self.req_to_token_pool, "translate_mamba_indices", None)
         return translate(index) if translate is not None else index
@@ -638,7 +530,7 @@ class KvxRuntime:
     def forget_all(self) -> None:
         """After SGLang flushed its pools (every slot is free again), drop the store's references."""
         self.store.contexts.clear()
-        self.kvzip_jobs.clear()
+        self.kvzip.jobs.clear()
         self.captures.clear()
         self.row_context.clear()
         self.position_offset.zero_()
@@ -651,7 +543,7 @@ class KvxRuntime:
             "compactions_failed": len(self.failed),
             "last_compaction_error": self.failed[-1] if self.failed else None,
             "contexts_evicted": self.evicted,
-            "kvzip_passes_pending": len(self.kvzip_jobs),
+            "kvzip_passes_pending": len(self.kvzip.jobs),
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
                 {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()
@@ -659,7 +551,7 @@ class KvxRuntime:
         }
 
 
-def _aborted(req) -> bool:
+def is_aborted(req) -> bool:
     reason = getattr(req, "finished_reason", None)
     return reason is not None and type(reason).__name__ == "FINISH_ABORT"
 
