@@ -165,3 +165,16 @@ def test_training_pipeline_writes_estimators_that_serve_only_their_model(tmp_pat
     assert keep.num_layers == 2
     with pytest.raises(EstimatorMismatch):
         get_policy("gatesight")(estimator=out, model_path=demo_paths["tiny-llama"])
+
+
+def test_per_layer_scores_equal_the_batched_op(tmp_path):
+    w1, b1, w2, b2 = _random_mlp(features=num_features(4))
+    estimator = GateSightEstimator(w1, b1, w2, b2, feature_mean=torch.zeros(2, num_features(4)),
+                                   feature_std=torch.ones(2, num_features(4)), manifest={"gdn_window": 6})
+    from sglang_kvx.policies.gatesight import GateSightPolicy
+
+    policy = GateSightPolicy(estimator=estimator, impl="torch")
+    signals = _signals()
+    batched = policy.score_layers(signals, [5, 5])
+    for layer in range(2):
+        assert torch.allclose(policy.score(signals, layer), batched[layer], atol=1e-5)

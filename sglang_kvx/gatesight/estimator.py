@@ -74,16 +74,17 @@ class GateSightEstimator:
         b1 = self.b1 - torch.einsum("lf,lhfu->lhu", self.feature_mean * inv_std, self.w1)
         return w1, b1
 
-    def score(self, features: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-        """features [L, n, F] (raw) -> predicted utility [L, H, n]."""
-        if features.shape[0] != self.num_layers or features.shape[2] != self.num_features:
-            raise ValueError(
-                f"features {tuple(features.shape)} do not fit estimators for {self.num_layers} layers of {self.num_features} features"
-            )
+    def score(self, features: torch.Tensor, impl: str = "auto", layers: slice = slice(None)) -> torch.Tensor:
+        """features [L', n, F] (raw) of the attention layers ``layers`` (default all) -> predicted utility [L', H, n]."""
         if not hasattr(self, "_folded") or self._folded[0].device != features.device:
             w1, b1 = self.folded()
             self._folded = tuple(t.to(features.device) for t in (w1, b1, self.w2, self.b2))
-        return mlp_utility(features, *self._folded, impl=impl)
+        weights = tuple(t[layers] for t in self._folded)
+        if features.shape[0] != weights[0].shape[0] or features.shape[2] != self.num_features:
+            raise ValueError(
+                f"features {tuple(features.shape)} do not fit estimators for {weights[0].shape[0]} layers of {self.num_features} features"
+            )
+        return mlp_utility(features, *weights, impl=impl)
 
     # --- files -----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from sglang_kvx.gatesight.estimator import GateSightEstimator, find_estimator
-from sglang_kvx.gatesight.features import all_layer_features
+from sglang_kvx.gatesight.features import all_layer_features, layer_features
 from sglang_kvx.policies.base import KVPolicy, check_layer, register_policy
 from sglang_kvx.signals import ContextSignals
 
@@ -42,22 +42,18 @@ class GateSightPolicy(KVPolicy):
         self.estimator = estimator
         self.window = int(estimator.manifest.get("gdn_window", 6))
         self.impl = impl
-        self._last: tuple[int, list[torch.Tensor]] | None = None
 
     def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
         """All layers at once: the features of every attention layer, one batched MLP op."""
-        if self._last is not None and self._last[0] == id(signals):
-            return self._last[1]
         if signals.num_layers != self.estimator.num_layers or signals.num_kv_heads != self.estimator.num_kv_heads:
             raise ValueError(
                 f"GateSight estimators cover {self.estimator.num_layers} attention layers x {self.estimator.num_kv_heads} "
                 f"KV heads; this model has {signals.num_layers} x {signals.num_kv_heads}"
             )
         utility = self.estimator.score(all_layer_features(signals, self.window), impl=self.impl)
-        scores = list(utility.unbind(0))
-        self._last = (id(signals), scores)
-        return scores
+        return list(utility.unbind(0))
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         check_layer(signals, layer)
-        return self.score_layers(signals)[layer]
+        features = layer_features(signals, layer, self.window)[None]
+        return self.estimator.score(features, impl=self.impl, layers=slice(layer, layer + 1))[0]
