@@ -64,7 +64,7 @@ def test_gdn_and_gate_signals_follow_the_module_math(references, contexts):
     expected_g = -gdn.A_log.float().exp() * F.softplus(captured["a"].float() + gdn.dt_bias)
     torch.testing.assert_close(signals.gdn[0].g, expected_g, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(signals.gdn[0].beta, torch.sigmoid(captured["b"].float()), atol=1e-6, rtol=1e-6)
-    assert len(signals.gdn) == 3 and signals.gdn_layer_of_attention == [3]
+    assert len(signals.gdn) == 6 and signals.gdn_layer_of_attention == [3, 6]  # 2 x [3 GDN + attention]
     assert (signals.gdn[0].v_norm > 0).all()
     head_dim = signals.head_dim
     gate = captured["q"].view(len(ids), -1, 2 * head_dim)[..., head_dim:]
