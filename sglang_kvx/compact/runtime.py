@@ -196,7 +196,7 @@ class KvxRuntime:
         setattr(req, _PARENT_CHECKED, True)
         n = len(req.origin_input_ids)
         try:
-            _, _, protected, _ = self.settings(req)
+            policy, _, protected, _ = self.settings(req)
         except KvxConfigError as exc:
             req.set_finish_with_abort(f"sglang_kvx: {exc}")
             return
@@ -205,7 +205,7 @@ class KvxRuntime:
                 f"sglang_kvx: protected prefix of {protected} tokens leaves nothing to compact in the {n}-token context"
             )
             return
-        if self.settings(req)[0] == "kvzip":
+        if policy == "kvzip":
             longest = n + self.kvzip.pass_length(n, protected)
             limit = self.scheduler.model_config.context_len
             if longest > limit:

@@ -120,13 +120,13 @@ def half_life_report(model, tokenizer, length: int = 1024, seed: int = 0) -> dic
             for i, task in enumerate(("niah_single_2", "vt"))]
     runs = [measure_gdn_half_lives(model, tokenizer(d.prompt).input_ids) for d in docs]
     flat = [torch.tensor([h for layer in run.values() for h in layer]) for run in runs]
-    ranks = [f.argsort().argsort().float() for f in flat]
-    spearman = float(torch.corrcoef(torch.stack(ranks))[0, 1])
+    from sglang_kvx.training.train_gatesight import spearman
+
     return {
         "definition": f"ln(0.5) / mean_t g_t per value head over a {length}-token document",
         "per_head": runs[0],
         "per_layer": summarize_half_lives(runs[0]),
-        "spearman_across_documents": round(spearman, 4),
+        "spearman_across_documents": round(spearman(flat[0], flat[1]), 4),
     }
 
 
