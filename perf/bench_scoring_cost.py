@@ -44,7 +44,8 @@ def gatesight_costs(model: str, contexts: list[int], keep_fraction: float) -> di
             r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "custom_params": {"kvx": kvx}}}, timeout=1200)
             r.raise_for_status()
 
-        prefill(context_ids(512, 7), {"compact": False})  # warm-up
+        prefill(context_ids(512, 7), {"compact": False})  # warm-up: the plain prefill path
+        prefill(context_ids(512, 8), {"policy": "gatesight", "keep_fraction": keep_fraction})  # and the capture/scoring path
         for n in contexts:
             server.flush()
             times = []

@@ -34,29 +34,52 @@ def age_features(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.stack([age / n, torch.log1p(age) / log_n, torch.log1p(position) / log_n], dim=1)
 
 
-def gdn_features(signals: ContextSignals, layer: int, window: int = GDN_WINDOW) -> torch.Tensor:
-    """[n, window * Hv * 3] GDN signals read by attention layer ``layer``'s estimators."""
+def _gdn_block(gdn, n: int, heads: int) -> torch.Tensor:
+    """[n, Hv * 3]: one GDN layer's (beta, g, log||v||) per value head."""
+    if gdn.beta.shape != (n, heads):
+        raise ValueError(f"GDN signals of shape {tuple(gdn.beta.shape)} for a {n}-token context with {heads} heads")
+    per_head = torch.stack([gdn.beta.float(), gdn.g.float(), gdn.v_norm.float().clamp_min(_V_NORM_FLOOR).log()], dim=2)
+    return per_head.reshape(n, heads * SIGNALS_PER_HEAD)
+
+
+def _check_gdn(signals: ContextSignals) -> None:
     if not signals.gdn:
         raise ValueError("GateSight needs GDN signals (beta, g, ||v||): this context has none (not a hybrid model?)")
-    before = signals.gdn_layer_of_attention[layer]
-    chosen = signals.gdn[max(0, before - window) : before]
-    heads = signals.gdn[0].beta.shape[1]
-    n = signals.n
-    device = signals.gdn[0].beta.device
-    columns = [torch.zeros(n, (window - len(chosen)) * heads * SIGNALS_PER_HEAD, device=device)]
-    for gdn in chosen:
-        if gdn.beta.shape != (n, heads):
-            raise ValueError(f"GDN signals of shape {tuple(gdn.beta.shape)} for a {n}-token context with {heads} heads")
-        per_head = torch.stack([gdn.beta.float(), gdn.g.float(), gdn.v_norm.float().clamp_min(_V_NORM_FLOOR).log()], dim=2)
-        columns.append(per_head.reshape(n, heads * SIGNALS_PER_HEAD))
-    return torch.cat(columns, dim=1)
+
+
+def _fill_layer(out: torch.Tensor, blocks: list[torch.Tensor], before: int, window: int, ages: torch.Tensor) -> None:
+    """Write one attention layer's features into ``out`` [n, F]: zero padding for missing GDN layers,
+    the last ``window`` GDN blocks before the layer (oldest first), then the ages."""
+    chosen = blocks[max(0, before - window) : before]
+    width = (out.shape[1] - AGE_FEATURES) // window
+    column = (window - len(chosen)) * width
+    out[:, :column].zero_()
+    for block in chosen:
+        out[:, column : column + width] = block
+        column += width
+    out[:, column:] = ages
 
 
 def layer_features(signals: ContextSignals, layer: int, window: int = GDN_WINDOW) -> torch.Tensor:
     """[n, F]: the full estimator input of attention layer ``layer``."""
-    return torch.cat([gdn_features(signals, layer, window), age_features(signals.n, signals.gdn[0].beta.device)], dim=1)
+    _check_gdn(signals)
+    heads, n = signals.gdn[0].beta.shape[1], signals.n
+    before = signals.gdn_layer_of_attention[layer]
+    blocks = [_gdn_block(g, n, heads) for g in signals.gdn[max(0, before - window) : before]]
+    out = torch.empty(n, num_features(heads, window), device=signals.gdn[0].beta.device)
+    _fill_layer(out, blocks, len(blocks), window, age_features(n, out.device))
+    return out
 
 
 def all_layer_features(signals: ContextSignals, window: int = GDN_WINDOW) -> torch.Tensor:
-    """[L, n, F] for every attention layer (one batched scoring op reads this)."""
-    return torch.stack([layer_features(signals, layer, window) for layer in range(signals.num_layers)])
+    """[L, n, F] for every attention layer (one batched scoring op reads this); each GDN layer's
+    block is built once, however many attention layers read it."""
+    _check_gdn(signals)
+    heads, n = signals.gdn[0].beta.shape[1], signals.n
+    blocks = [_gdn_block(g, n, heads) for g in signals.gdn]
+    device = signals.gdn[0].beta.device
+    out = torch.empty(signals.num_layers, n, num_features(heads, window), device=device)
+    ages = age_features(n, device)
+    for layer in range(signals.num_layers):
+        _fill_layer(out[layer], blocks, signals.gdn_layer_of_attention[layer], window, ages)
+    return out

@@ -19,8 +19,16 @@ def mlp_utility_reference(
     features: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
 ) -> torch.Tensor:
     _check_shapes(features, w1, b1, w2, b2)
-    hidden = torch.einsum("lnf,lhfu->lhnu", features.float(), w1.float()) + b1.float()[:, :, None, :]
-    return torch.einsum("lhnu,lhu->lhn", hidden.relu(), w2.float()) + b2.float()[:, :, None]
+    num_layers, n, num_features = features.shape
+    heads, units = w1.shape[1], w1.shape[3]
+    out = []
+    for layer in range(num_layers):
+        # Every head of a layer reads the same features: one [n, F] x [F, H*U] product for all of them.
+        w1_all_heads = w1[layer].float().permute(1, 0, 2).reshape(num_features, heads * units)
+        hidden = torch.addmm(b1[layer].float().reshape(1, -1), features[layer].float(), w1_all_heads).relu_()
+        utility = hidden.view(n, heads, units).mul_(w2[layer].float()).sum(dim=-1)  # [n, H]
+        out.append(utility.t() + b2[layer].float()[:, None])
+    return torch.stack(out) if out else features.new_zeros(0, heads, n)
 
 
 def mlp_utility(
