@@ -126,3 +126,37 @@ def test_exact_match_needs_every_value_in_order() -> None:
     assert not is_exact_match(" 123456", ("12345",))
     assert is_exact_match(" 11111 and 22222.", ("11111", "22222"))
     assert not is_exact_match(" 22222 and 11111.", ("11111", "22222"))
+
+
+def test_dense_architecture_trains_and_saves_as_llama(tmp_path) -> None:
+    """The dense demo model (dense-only comparisons) goes through the same recipe: a few steps lower
+    its loss, it has no GDN half-lives, and its checkpoint stays a plain Llama config."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = build_initial_model(seed=0, arch="tiny-llama")
+    assert model.config.model_type == "llama"
+    gen = NeedleDataGenerator(tokenizer, seed=0)
+    batch = collate([gen.needle_sample(task, 128) for task in ("single", "multikey")], tokenizer.pad_token_id)
+    cfg = TrainConfig()
+    optimizer = make_optimizer(model, cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        before = compute_loss(model, batch, cfg.lm_weight)[0].item()
+    model.train()
+    for _ in range(8):
+        loss, _, _ = compute_loss(model, batch, cfg.lm_weight)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        assert compute_loss(model, batch, cfg.lm_weight)[0].item() < before - 0.1
+    assert measure_gdn_half_lives(model, batch.input_ids[0].tolist()) == {}
+    save_checkpoint(model, tokenizer, tmp_path, {"name": "tiny-llama", "trained": True})
+    assert "full_attention_interval" not in json.loads((tmp_path / "config.json").read_text())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.model_type == "llama"
+
+
+def test_unknown_architecture_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown architecture"):
+        build_initial_model(seed=0, arch="tiny-mamba")

@@ -548,7 +548,7 @@ class KvxRuntime:
             "kvzip_passes_pending": len(self.kvzip.jobs),
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [
-                {**c.summary(), "positions": [p.tolist() for p in c.keep_positions]} for c in self.store.contexts.values()
+                {**c.summary(), "positions": c.keep_positions_lists} for c in self.store.contexts.values()
             ],
         }
 

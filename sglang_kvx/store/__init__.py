@@ -11,6 +11,7 @@ context are kept as a snapshot and restored into every child's state slot.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,11 @@ class CompactedContext:
     @property
     def settings(self) -> tuple[str, float, int, str]:
         return (self.policy, self.keep_fraction, self.protected_prefix_len, self.allocation)
+
+    @functools.cached_property
+    def keep_positions_lists(self) -> list[list[list[int]]]:
+        """``keep_positions`` as plain lists, converted once (every stats call ships them)."""
+        return [p.tolist() for p in self.keep_positions]
 
     @property
     def k_max(self) -> int:

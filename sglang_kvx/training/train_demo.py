@@ -54,6 +54,7 @@ from sglang_kvx.models.demo import build_demo_model
 from sglang_kvx.models.tokenizer import WORDS
 
 MODEL_NAME = "tiny-hybrid"
+ARCHITECTURES = ("tiny-hybrid", "tiny-llama")  # the dense Llama serves the dense-only comparisons
 TASKS = ("single", "multikey", "multivalue")
 EVAL_TASKS = ("single", "multikey", "multivalue")
 EVAL_LENGTHS = (512, 1024, 2048)
@@ -261,13 +262,16 @@ class NeedleDataGenerator:
 # ---------------------------------------------------------------------------
 
 
-def build_initial_model(seed: int) -> tuple[torch.nn.Module, Any]:
-    """The untrained tiny hybrid and its tokenizer, exactly as ``build_demo_model``
-    makes them (same config, init and long-memory GDN decay), loaded in HF."""
+def build_initial_model(seed: int, arch: str = MODEL_NAME) -> tuple[torch.nn.Module, Any]:
+    """The untrained tiny model (``arch``: the hybrid, or the dense Llama of the same width)
+    and its tokenizer, exactly as ``build_demo_model`` makes them (same config, init and,
+    for the hybrid, long-memory GDN decay), loaded in HF."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_demo_model(MODEL_NAME, tmp, seed=seed)
+        path = build_demo_model(arch, tmp, seed=seed)
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model, tokenizer
@@ -555,7 +559,8 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, out: str | Path, met
     config_file = out / "config.json"
     saved = json.loads(config_file.read_text())
     layer_types = saved.get("layer_types") or []
-    saved["full_attention_interval"] = (layer_types.index("full_attention") + 1) if "full_attention" in layer_types else 4
+    if "linear_attention" in layer_types:
+        saved["full_attention_interval"] = (layer_types.index("full_attention") + 1) if "full_attention" in layer_types else 4
     config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     (out / "kvx_demo.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
@@ -572,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=TrainConfig.minutes, help="training wall-clock budget")
     p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (ignores --minutes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default=MODEL_NAME, choices=ARCHITECTURES, help="which tiny demo architecture to train")
     p.add_argument("--eval-items", type=int, default=TrainConfig.eval_items, help="items per task and length")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
     return p.parse_args(argv)
@@ -581,9 +587,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     cfg = TrainConfig(seed=args.seed, minutes=args.minutes, max_steps=args.steps, eval_items=args.eval_items)
-    model, tokenizer = build_initial_model(cfg.seed)
+    model, tokenizer = build_initial_model(cfg.seed, args.arch)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{MODEL_NAME}: {n_params / 1e6:.2f}M parameters, seed {cfg.seed}, threads {torch.get_num_threads()}")
+    print(f"{args.arch}: {n_params / 1e6:.2f}M parameters, seed {cfg.seed}, threads {torch.get_num_threads()}")
 
     gen = NeedleDataGenerator(tokenizer, cfg.seed)
     stats = train(model, gen, cfg, show_progress=not args.no_progress)
@@ -594,12 +600,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = evaluate_retrieval(model, tokenizer, seed=cfg.seed + 1_000_003, lengths=cfg.eval_lengths, tasks=cfg.eval_tasks, n_items=cfg.eval_items)
     print(format_eval_table(results, cfg.eval_items))
     doc = NeedleDataGenerator(tokenizer, cfg.seed + 2_000_003).needle_sample("single", 1024)
-    half_lives = measure_gdn_half_lives(model, doc.input_ids)
-    print(format_half_life_table(half_lives))
+    half_lives = measure_gdn_half_lives(model, doc.input_ids)  # empty for the dense model
+    if half_lives:
+        print(format_half_life_table(half_lives))
     print(f"evaluation took {time.monotonic() - eval_start:.1f} s")
 
     meta = {
-        "name": MODEL_NAME,
+        "name": args.arch,
         "seed": cfg.seed,
         "trained": True,
         "training": {
@@ -612,7 +619,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "config": {k: v for k, v in asdict(cfg).items() if k not in ("eval_items", "eval_lengths", "eval_tasks")},
-            "command": f"python -m sglang_kvx.training.train_demo --out {args.out} --seed {cfg.seed} --steps {stats.steps}",
+            "command": f"python -m sglang_kvx.training.train_demo --arch {args.arch} --out {args.out} --seed {cfg.seed} --steps {stats.steps}",
         },
         "eval": {
             "metric": "greedy exact match of the 5-digit value(s)",
