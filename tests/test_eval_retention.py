@@ -32,9 +32,10 @@ def test_retention_counts_each_layer_and_head() -> None:
     # layer 0: head 0 keeps all of span [4, 8), head 1 half of it; layer 1: neither head keeps any
     keep = KeepSet(positions=[torch.tensor([[4, 5, 6, 7], [4, 5, 12, 13]]), torch.tensor([[0, 1, 2, 3], [16, 17, 18, 19]])],
                    n=n, protected_prefix_len=0)
-    kept, whole = retention(keep, [(4, 8)])
+    kept, whole, per_layer = retention(keep, [(4, 8)])
     assert kept == pytest.approx((1.0 + 0.5 + 0 + 0) / 4)
     assert whole == pytest.approx(1 / 4)
+    assert per_layer == pytest.approx([0.75, 0.0])
     with pytest.raises(ValueError, match="no queried needle"):
         retention(keep, [])
 

@@ -51,18 +51,18 @@ def needle_spans(sample, tokenizer) -> list[tuple[int, int]]:
     return spans
 
 
-def retention(keep: KeepSet, spans: list[tuple[int, int]]) -> tuple[float, float]:
-    """(mean share of the values' entries kept, share of (value, layer, head) keeping the whole value)."""
-    shares, whole = [], []
+def retention(keep: KeepSet, spans: list[tuple[int, int]]) -> tuple[float, float, list[float]]:
+    """(mean share of the values' entries kept, share of (value, layer, head) keeping the whole
+    value, and the first figure per attention layer)."""
+    if not spans:
+        raise ValueError("no queried needle in these samples: retention needs needle tasks")
+    per_layer, whole = [], []
     for layer in range(keep.num_layers):
         mask = keep.mask(layer)  # [kv_heads, n]
-        for start, end in spans:
-            kept = mask[:, start:end].float().mean(dim=1)  # per head
-            shares.extend(kept.tolist())
-            whole.extend((kept == 1.0).float().tolist())
-    if not shares:
-        raise ValueError("no queried needle in these samples: retention needs needle tasks")
-    return sum(shares) / len(shares), sum(whole) / len(whole)
+        kept = torch.stack([mask[:, start:end].float().mean(dim=1) for start, end in spans])  # [values, heads]
+        per_layer.append(float(kept.mean()))
+        whole.extend((kept == 1.0).float().flatten().tolist())
+    return sum(per_layer) / len(per_layer), sum(whole) / len(whole), per_layer
 
 
 def _policy(method: str, model_path: str, estimator: str | None):
@@ -113,6 +113,7 @@ def measure(
             "policy": method, "task": task, "keep_fraction": p, "samples": len(values),
             "value_entries_kept": round(sum(v[0] for v in values) / len(values), 4),
             "whole_value_kept": round(sum(v[1] for v in values) / len(values), 4),
+            "value_entries_kept_per_layer": [round(sum(v[2][l] for v in values) / len(values), 4) for l in range(len(values[0][2]))],
         })
     return rows
 
