@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_kvx.gatesight.estimator import EstimatorMismatch, GateSightEstimator, model_fingerprint
-from sglang_kvx.gatesight.features import AGE_FEATURES, age_features, all_layer_features, num_features
+from sglang_kvx.gatesight.features import AGE_FEATURES, age_features, all_layer_features, layer_features, num_features
 from sglang_kvx.gatesight.labels import brute_force_change, leave_one_out_change, utility_labels
 from sglang_kvx.ops.gatesight import mlp_utility, mlp_utility_reference
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
@@ -74,6 +74,8 @@ def test_features_read_the_preceding_gdn_layers_and_age():
     ages = age_features(30)
     assert torch.equal(features[1, :, -AGE_FEATURES:], ages)
     assert float(ages[-1, 0]) == 0.0 and float(ages[0, 2]) == 0.0
+    for layer in range(2):  # one layer's features alone are the batched ones
+        assert torch.equal(layer_features(signals, layer, window=6), features[layer])
 
 
 def _random_mlp(layers=2, heads=2, features=75, units=64, seed=0):
