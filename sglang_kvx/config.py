@@ -142,6 +142,22 @@ def build_config(
     return config
 
 
+def request_kvx_params(sampling_params: Any) -> dict[str, Any]:
+    """A request's ``custom_params["kvx"]`` overrides ({} when it sends none)."""
+    custom = getattr(sampling_params, "custom_params", None) or {}
+    params = custom.get("kvx") if isinstance(custom, dict) else None
+    return params if isinstance(params, dict) else {}
+
+
+def marks_context(sampling_params: Any) -> bool:
+    """Whether a request is a parent, a context to compact: prefill-only (how SGLang's frontend
+    commits a shared prefix) unless ``{"kvx": {"compact": ...}}`` says otherwise."""
+    params = request_kvx_params(sampling_params)
+    if "compact" in params:
+        return bool(params["compact"])
+    return getattr(sampling_params, "max_new_tokens", None) == 0
+
+
 def policy_options(name: str, config: KvxConfig) -> dict[str, Any]:
     """Constructor options a served policy takes from the server's config."""
     if name == "gatesight":

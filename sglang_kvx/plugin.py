@@ -111,7 +111,42 @@ def _register_platform_defaults() -> None:
             # SGLang picks torch_native for device "cpu" before asking the platform.
             if view.attention_backend is None:
                 declare_resolution(server_args, "sglang_kvx:cpu_platform", attention_backend=KVX_TORCH_ATTENTION)
+            _default_cpu_thread_binding(server_args)
         previous(server_args)
+
+
+def _default_cpu_thread_binding(server_args) -> None:
+    """More CPU ranks than NUMA nodes: SGLang refuses to start unless SGLANG_CPU_OMP_THREADS_BIND
+    names each rank's cores. Unless the user set it, split this process's cores evenly (ranks share
+    cores round-robin when there are more ranks than cores). Set before the ranks are spawned."""
+    ranks = 1
+    for size in (server_args.dp_size, server_args.tp_size, server_args.pp_size):
+        ranks *= max(1, int(size or 1))
+    if ranks == 1 or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
+    from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+
+    if ranks <= len(get_cpu_ids_by_node()):
+        return  # SGLang's own default: one NUMA node per rank
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), ranks)
+    logger.info("sglang_kvx: %d CPU ranks, SGLANG_CPU_OMP_THREADS_BIND=%s", ranks, os.environ["SGLANG_CPU_OMP_THREADS_BIND"])
+
+
+def cpu_thread_binding(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` ranks over ``cores``: contiguous equal shares."""
+    if not cores or ranks < 1:
+        raise ValueError(f"need cores and ranks >= 1, got {cores} and {ranks}")
+    if ranks >= len(cores):
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share = len(cores) // ranks
+    groups = [cores[r * share : (r + 1) * share] for r in range(ranks)]
+
+    def spell(group: list[int]) -> str:  # SGLang's own examples write ranges: 0-15|16-31
+        if group == list(range(group[0], group[-1] + 1)):
+            return f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0])
+        return ",".join(str(c) for c in group)
+
+    return "|".join(spell(group) for group in groups)
 
 
 KVX_TORCH_ATTENTION = "kvx_torch_native"
@@ -207,6 +242,12 @@ def _register_compaction_hooks() -> None:
     for target, (hook, kind) in hooks.items():
         HookRegistry.register(target, hook, kind)
     _COMPACTION_TARGETS.extend(hooks)
+    # Data parallelism: every routing method of SGLang's DP controller asks this first (its own
+    # process, so not among the scheduler's targets above).
+    HookRegistry.register(
+        "sglang.srt.managers.data_parallel_controller.DataParallelController.maybe_external_dp_rank_routing",
+        _around_dp_routing, HookType.AROUND,
+    )
 
 
 _COMPACTION_TARGETS: list[str] = []
@@ -235,6 +276,27 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
             # recomputed from the layer's inputs in _around_linear_attention instead.
             TorchGDNAttnBackend.signal_listener = _RUNTIME.capture_gdn_from_backend
             _RUNTIME.gdn_signals_from_backend = True
+
+
+_AFFINITY = None  # the DP controller's ContextAffinity; False when compaction is off
+
+
+def _around_dp_routing(original, controller, req):
+    """Send a compacted context's children to the DP rank that holds it (``serve/affinity.py``)."""
+    global _AFFINITY
+    sampling_params = getattr(req, "sampling_params", None)
+    if getattr(req, "routed_dp_rank", None) is None and sampling_params is not None and getattr(req, "input_ids", None):
+        if _AFFINITY is None:
+            from sglang_kvx.serve.affinity import ContextAffinity
+
+            _AFFINITY = ContextAffinity() if config_of(controller.server_args).enabled else False
+        if _AFFINITY is not False:
+            from sglang_kvx.config import marks_context
+
+            rank = _AFFINITY.route(list(req.input_ids), marks_context(sampling_params), list(controller._active_workers))
+            if rank is not None:
+                req.routed_dp_rank = rank
+    return original(controller, req)
 
 
 def _around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):

@@ -30,8 +30,10 @@ from sglang_kvx.config import (
     KvxConfig,
     KvxConfigError,
     make_policy,
+    marks_context,
     parse_keep_fraction,
     parse_protected_prefix_len,
+    request_kvx_params,
 )
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
@@ -92,16 +94,10 @@ class KvxRuntime:
 
     @staticmethod
     def _kvx_params(req) -> dict[str, Any]:
-        custom = getattr(req.sampling_params, "custom_params", None) or {}
-        params = custom.get("kvx") if isinstance(custom, dict) else None
-        return params if isinstance(params, dict) else {}
+        return request_kvx_params(req.sampling_params)
 
     def is_parent(self, req) -> bool:
-        """A prefill-only request (how SGLang's frontend commits a shared prefix), unless it opts out."""
-        params = self._kvx_params(req)
-        if "compact" in params:
-            return bool(params["compact"])
-        return req.sampling_params.max_new_tokens == 0
+        return marks_context(req.sampling_params)
 
     def settings(self, req) -> tuple[str, float, int, str]:
         """(policy, keep_fraction, protected_prefix_len, allocation) for a request: its custom_params

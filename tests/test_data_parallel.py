@@ -1,0 +1,92 @@
+"""Data parallelism: a compacted context's children reach the DP rank that holds it.
+
+Unit tests for the routing table and the CPU thread-binding default, then a real server with
+``--dp-size 2`` (two scheduler processes on this machine's cores) checked against the HF oracle.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import requests
+import torch
+
+from sglang_kvx.models.tokenizer import WORDS
+from sglang_kvx.plugin import cpu_thread_binding
+from sglang_kvx.serve.affinity import ContextAffinity, prefix_hashes
+from sglang_kvx.serve.launcher import ServerProcess
+
+
+def test_children_follow_their_context_and_parents_spread() -> None:
+    affinity = ContextAffinity()
+    doc_a, doc_b = list(range(10, 300)), list(range(500, 700))
+    assert affinity.route(doc_a, is_parent=True, active_ranks=[0, 1]) == 0
+    assert affinity.route(doc_b, is_parent=True, active_ranks=[0, 1]) == 1  # the rank with fewer pins
+    for _ in range(3):
+        assert affinity.route(doc_a + [1, 2, 3], is_parent=False, active_ranks=[0, 1]) == 0
+        assert affinity.route(doc_b + [4], is_parent=False, active_ranks=[0, 1]) == 1
+    # The same context under other settings stays where its first copy is.
+    assert affinity.route(doc_b, is_parent=True, active_ranks=[0, 1]) == 1
+    # Unrelated requests, and a prompt that is only part of a context, are left to SGLang.
+    assert affinity.route([7, 8, 9], is_parent=False, active_ranks=[0, 1]) is None
+    assert affinity.route(doc_a[:100], is_parent=False, active_ranks=[0, 1]) is None
+    # A rank that left is not routed to.
+    assert affinity.route(doc_a + [1], is_parent=False, active_ranks=[1]) is None
+
+
+def test_the_longest_pinned_context_wins_and_old_pins_are_forgotten() -> None:
+    affinity = ContextAffinity(capacity=2)
+    short, longer = list(range(50)), list(range(80))
+    assert affinity.route(short, True, [0, 1]) == 0
+    assert affinity.route(longer, True, [0, 1]) == 0  # starts with a pinned context: same rank
+    affinity._pin((len(longer), prefix_hashes(longer)[-1]), 1)  # move it, to see which one wins
+    assert affinity.route(longer + [99], False, [0, 1]) == 1
+    assert affinity.route(list(range(200, 260)), True, [0, 1]) is not None  # a third pin evicts the oldest
+    assert len(affinity._rank_of) == 2
+    assert affinity.route(short + [99], False, [0, 1]) is None
+    with pytest.raises(ValueError):
+        ContextAffinity(capacity=0)
+
+
+def test_prefix_hashes_tell_prefixes_apart() -> None:
+    h = prefix_hashes([1, 2, 3])
+    assert len(h) == 4 and h[0] == 0
+    assert prefix_hashes([1, 2, 3, 4])[:4] == h
+    assert prefix_hashes([0, 2, 3])[3] != h[3]
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "expected"),
+    [([0, 1], 2, "0|1"), ([0, 1, 2, 3], 2, "0-1|2-3"), ([0, 2, 4, 6], 2, "0,2|4,6"), ([0, 1], 3, "0|1|0"), ([5], 2, "5|5")],
+)
+def test_cpu_thread_binding_splits_the_cores(cores, ranks, expected) -> None:
+    assert cpu_thread_binding(cores, ranks) == expected
+
+
+@pytest.mark.slow
+def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, references) -> None:
+    name = "tiny-llama"
+    ref = references[name]
+    rng = random.Random(11)
+    context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(200)) + "\n")
+    questions = [ref.encode(f"Question {i}: which word comes next? Answer:") for i in range(4)]
+    settings = {"custom_params": {"kvx": {"policy": "keydiff", "keep_fraction": 0.3}}}
+    with ServerProcess(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3", "--dp-size", "2",
+                       max_total_tokens=4096) as server:
+        response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+        assert response.status_code == 200, response.text
+        answers = []
+        for question in questions:
+            response = server.generate({"input_ids": context + question,
+                                        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["output_ids"])
+        ranks = server.stats()["ranks"]
+        keep_sets = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+    assert len(ranks) == 2
+    holding = [r for r in ranks if r["compacted_contexts"]]
+    assert len(holding) == 1 and holding[0]["compacted_contexts"][0]["reuse_count"] == len(questions)
+    keep = [torch.tensor(layer) for layer in keep_sets[0]["positions"]]
+    for question, answer in zip(questions, answers):
+        assert answer == ref.compacted_greedy(context, keep, question, 6)
