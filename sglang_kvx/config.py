@@ -142,6 +142,26 @@ def build_config(
     return config
 
 
+# Under tensor parallelism every rank compacts its own KV heads and all ranks must agree on each
+# layer's budget and on every internal request. These would not (yet): the gate allocation reads
+# the rank's own query heads, GateSight's estimators index global KV heads, and KVzip's second pass
+# queues requests from inside one scheduler.
+TP_UNSUPPORTED = {
+    "gatesight": "its estimators and gate budgets are per global KV / query head",
+    "kvzip": "its second pass queues internal requests from inside the scheduler",
+    "gate": "each rank would average only its own query heads' gates",
+}
+
+
+def check_tensor_parallel(policy: str, allocation: str | None, tp_size: int) -> None:
+    """Refuse, with the reason, a policy or allocation that is not rank-consistent under --tp-size > 1."""
+    if tp_size <= 1:
+        return
+    for name, kind in ((policy, "policy"), (allocation, "allocation")):
+        if name in TP_UNSUPPORTED:
+            raise KvxConfigError(f"kvx {kind} {name!r} is not supported with --tp-size {tp_size} yet: {TP_UNSUPPORTED[name]}")
+
+
 def request_kvx_params(sampling_params: Any) -> dict[str, Any]:
     """A request's ``custom_params["kvx"]`` overrides ({} when it sends none)."""
     custom = getattr(sampling_params, "custom_params", None) or {}

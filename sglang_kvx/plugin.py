@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config
+from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config, check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
             estimator=getattr(args, "kvx_estimator", ""),
         )
+        if config.enabled:
+            check_tensor_parallel(config.policy, None, int(server_args.tp_size or 1))
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
         print(f"sglang-kvx: error: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ from sglang_kvx.config import (
     SERVABLE_POLICIES,
     KvxConfig,
     KvxConfigError,
+    check_tensor_parallel,
     make_policy,
     marks_context,
     parse_keep_fraction,
@@ -50,6 +51,7 @@ _PARENT_CHECKED = "_kvx_parent_checked"
 class KvxRuntime:
     def __init__(self, scheduler, config: KvxConfig) -> None:
         self.config = config
+        self.tp_size = int(scheduler.tp_size)
         self._policies: dict[str, Any] = {}
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.req_to_token_pool = scheduler.req_to_token_pool
@@ -110,7 +112,9 @@ class KvxRuntime:
         if policy not in SERVABLE_POLICIES or policy == "none":
             valid = ", ".join(sorted(SERVABLE_POLICIES - {"none"}))
             raise KvxConfigError(f"kvx policy {policy!r} cannot compact here; valid choices: {valid}")
+        check_tensor_parallel(policy, params.get("allocation"), self.tp_size)
         allocation = params.get("allocation") or self._policy(policy).allocation
+        check_tensor_parallel(policy, allocation, self.tp_size)
         if allocation not in allocation_names():
             raise KvxConfigError(f"kvx allocation {allocation!r} is unknown; valid choices: {', '.join(allocation_names())}")
         if allocation != "flat" and not self.per_layer_lengths:

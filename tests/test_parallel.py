@@ -1,7 +1,9 @@
-"""Data parallelism: a compacted context's children reach the DP rank that holds it.
+"""Parallel serving: data parallelism (a compacted context's children reach the DP rank that
+holds it) and tensor parallelism (each rank compacts its own KV heads).
 
-Unit tests for the routing table and the CPU thread-binding default, then a real server with
-``--dp-size 2`` (two scheduler processes on this machine's cores) checked against the HF oracle.
+Unit tests for the routing table and the CPU thread-binding default, then real servers with
+``--dp-size 2`` and ``--tp-size 2`` (two scheduler processes on this machine's cores) checked
+against the HF oracle.
 """
 
 from __future__ import annotations
@@ -90,3 +92,47 @@ def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, r
     keep = [torch.tensor(layer) for layer in keep_sets[0]["positions"]]
     for question, answer in zip(questions, answers):
         assert answer == ref.compacted_greedy(context, keep, question, 6)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_compact_their_own_heads(demo_paths, references) -> None:
+    """--tp-size 2: each rank holds one KV head and compacts it; children equal the oracle applying
+    the full keep-set (both heads) for a flat and a pyramid allocation. What would make the ranks
+    disagree is refused with the reason."""
+    from sglang_kvx.policies import get_policy
+    from sglang_kvx.reference.signals import context_signals
+    from sglang_kvx.select import choose_keep_set
+
+    name = "tiny-llama"
+    ref = references[name]
+    rng = random.Random(12)
+    context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(200)) + "\n")
+    question = ref.encode("Question: which word comes next? Answer:")
+    with ServerProcess(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3", "--tp-size", "2",
+                       max_total_tokens=4096) as server:
+        for policy in ("keydiff", "snapkv", "pyramidkv"):
+            settings = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.3}}}
+            response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+            assert response.status_code == 200, response.text
+            response = server.generate({"input_ids": context + question,
+                                        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
+            assert response.status_code == 200, response.text
+            keep = choose_keep_set(get_policy(policy)(), context_signals(ref, context), 0.3)
+            assert response.json()["output_ids"] == ref.compacted_greedy(context, keep.positions, question, 6), policy
+        refused = server.generate({"input_ids": context[:150], "sampling_params": {
+            "max_new_tokens": 0, "custom_params": {"kvx": {"policy": "kvzip", "keep_fraction": 0.3}}}})
+        assert refused.status_code == 400 and "--tp-size 2" in refused.text, refused.text
+        stats = server.stats()
+    assert sorted(c["policy"] for c in stats["compacted_contexts"]) == ["keydiff", "pyramidkv", "snapkv"]
+
+
+def test_start_up_refuses_a_policy_ranks_would_disagree_on(demo_paths) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", demo_paths["tiny-hybrid-deep"],
+         "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--tp-size", "2", "--max-total-tokens", "4096"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "'gatesight' is not supported with --tp-size 2" in result.stderr, result.stderr[-2000:]
