@@ -1,6 +1,6 @@
 """Train GateSight's utility estimators for one hybrid model, and report how well they rank.
 
-    OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-deep --lengths 512,1024 --train-docs 120 --heldout-docs 30
+    OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-deep --lengths 1024,2048 --train-docs 120 --heldout-docs 30
 
 1. Documents: evaluation-suite sessions at training-only seeds (the suite evaluates seeds below
    1000; these start at 10**6), each a context and several questions with their answers.
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="estimator folder (default weights/gatesight/<model name>)")
     parser.add_argument("--train-docs", type=int, default=120)
     parser.add_argument("--heldout-docs", type=int, default=30)
-    parser.add_argument("--lengths", default="512,1024")
+    parser.add_argument("--lengths", default="1024,2048")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     parser.add_argument("--questions", type=int, default=3, help="continuations (question + answer) per document")
     parser.add_argument("--epochs", type=int, default=30)
