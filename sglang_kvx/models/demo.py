@@ -19,9 +19,15 @@ from sglang_kvx.models.tokenizer import VOCAB_SIZE, build_tokenizer
 # The embedded default: 8 layers (3 GDN + 1 gated attention, twice), grown from tiny-hybrid-ruler
 # and fine-tuned on the evaluation suite (training/finetune_ruler.py --grow 2); ships trained.
 DEFAULT_MODEL = "tiny-hybrid-deep"
-DEMO_MODELS = ("tiny-hybrid-deep", "tiny-hybrid", "tiny-llama")  # shipped in weights/
-TRAINED_ONLY = {"tiny-hybrid-deep": "python -m sglang_kvx.training.finetune_ruler --init weights/tiny-hybrid-ruler "
-                                    "--out weights/tiny-hybrid-deep --grow 2 --minutes 30"}
+DEMO_MODELS = ("tiny-hybrid-deep", "tiny-hybrid", "tiny-llama", "tiny-llama-ruler")  # shipped in weights/
+TRAINED_ONLY = {
+    "tiny-hybrid-deep": "python -m sglang_kvx.training.finetune_ruler --init weights/tiny-hybrid-ruler "
+                        "--out weights/tiny-hybrid-deep --grow 2 --minutes 30",
+    # The dense model of the dense-only comparisons, trained the same way (commands in its kvx_demo.json).
+    "tiny-llama-ruler": "python -m sglang_kvx.training.train_demo --arch tiny-llama --out weights/tiny-llama-trained "
+                        "--minutes 25, then finetune_ruler --init weights/tiny-llama-trained --out weights/tiny-llama-ruler "
+                        "--minutes 25 --lengths 512,1024,2048",
+}
 EXTRA_MODELS = ("tiny-qwen3",)  # built on demand (tests: a second dense architecture)
 
 # Large enough for the long-context benchmarks (4K+ contexts plus questions).
