@@ -25,7 +25,14 @@ import os
 import sys
 from typing import Any
 
-from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config, check_tensor_parallel
+from sglang_kvx.config import (
+    KvxConfig,
+    KvxConfigError,
+    add_cli_args,
+    build_config,
+    check_tensor_parallel,
+    marks_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -293,8 +300,6 @@ def _around_dp_routing(original, controller, req):
 
             _AFFINITY = ContextAffinity() if config_of(controller.server_args).enabled else False
         if _AFFINITY is not False:
-            from sglang_kvx.config import marks_context
-
             rank = _AFFINITY.route(list(req.input_ids), marks_context(sampling_params), list(controller._active_workers))
             if rank is not None:
                 req.routed_dp_rank = rank

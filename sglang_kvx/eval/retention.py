@@ -66,11 +66,10 @@ def retention(keep: KeepSet, spans: list[tuple[int, int]]) -> tuple[float, float
 
 
 def _policy(method: str, model_path: str, estimator: str | None):
-    from sglang_kvx.policies import get_policy
+    """The policy object a server with these settings would apply (the server's own factory)."""
+    from sglang_kvx.config import KvxConfig, make_policy
 
-    name = method.partition("@")[0]
-    options = {"estimator": estimator, "model_path": model_path} if name == "gatesight" else {}
-    return get_policy(name)(**options)
+    return make_policy(method.partition("@")[0], KvxConfig(estimator=estimator or "", model_path=model_path))
 
 
 def measure(
