@@ -8,7 +8,8 @@ here goes through SGLang's own extension points:
   ``ServerArgs.from_cli_args`` (validation before any model loads);
 - ``register_resolution_hook`` for CPU-platform defaults;
 - ``register_attention_backend`` for ``kvx_torch_native`` (torch attention with
-  per-layer lengths of compacted prefixes);
+  per-layer lengths of compacted prefixes), and an AFTER hook on SGLang's backend
+  factory that gives any other full-attention backend the same per-layer lengths;
 - on the CPU platform only, a class swap of ``GDNAttnBackend`` for the pure-torch
   GDN backend and torch stand-ins for three Triton calls (no GDN registry exists);
 - in scheduler processes, narrow hooks around the functions that decide a
@@ -243,6 +244,15 @@ def _register_compaction_hooks() -> None:
         "sglang.srt.layers.radix_linear_attention.RadixLinearAttention.forward": (_around_linear_attention, HookType.AROUND),
         # Qwen3.5's gated attention computes its output gate here (GateSight's layer budgets).
         "sglang.srt.models.qwen3_5.Qwen3_5AttentionDecoderLayer._prepare_qkv_gate": (_after_prepare_qkv_gate, HookType.AFTER),
+        # Per-layer lengths (PyramidKV, gate budgets) for whichever attention backend SGLang builds,
+        # and no captured graph for a batch that needs them.
+        "sglang.srt.model_executor.model_runner_components.attention_backend_setup._build_full_attention_backend_from_str": (
+            _after_build_attention_backend, HookType.AFTER),
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph": (
+            _around_can_run_graph, HookType.AROUND),
+        "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.can_run_graph": (
+            _around_can_run_graph, HookType.AROUND),
+        "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner.can_run_graph": (_around_can_run_graph, HookType.AROUND),
         # SGLang's idle leak check balances the pool against what the tree and
         # sessions hold; the store holds slots the same way a session does.
         "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver.session_held_tokens": (
@@ -272,11 +282,11 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
         missing = [t for t in _COMPACTION_TARGETS if t not in HookRegistry._patched]
         if missing:
             raise RuntimeError(f"sglang_kvx: SGLang hooks not applied: {', '.join(missing)}")
-        from sglang_kvx.compact.attention import KvxTorchNativeAttnBackend
+        from sglang_kvx.compact.attention import PerLayerLengths
         from sglang_kvx.compact.runtime import KvxRuntime
 
         _RUNTIME = KvxRuntime(scheduler, config)
-        KvxTorchNativeAttnBackend.dead_ranks = _RUNTIME.dead_ranks
+        PerLayerLengths.dead_ranks = _RUNTIME.dead_ranks
         # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
         if _on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute":
             from sglang_kvx.models.gdn_backend import TorchGDNAttnBackend
@@ -285,6 +295,24 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
             # recomputed from the layer's inputs in _around_linear_attention instead.
             TorchGDNAttnBackend.signal_listener = _RUNTIME.capture_gdn_from_backend
             _RUNTIME.gdn_signals_from_backend = True
+
+
+def _after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs):
+    """Every full-attention backend SGLang builds gets per-layer lengths (``compact/attention.py``)
+    when compaction is on; MLA backends keep their own layout and stay as built (flat budgets only)."""
+    if model_runner is None or not config_of(model_runner.server_args).enabled or model_runner.use_mla_backend:
+        return backend
+    from sglang_kvx.compact.attention import with_per_layer_lengths
+
+    return with_per_layer_lengths(backend)
+
+
+def _around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
+    """A captured graph replays the backend's own kernels: a batch reading a compacted prefix with
+    per-layer lengths runs eagerly instead."""
+    if not original(graph_runner, forward_batch, *args, **kwargs):
+        return False
+    return _RUNTIME is None or not _RUNTIME.batch_needs_per_layer_lengths(forward_batch)
 
 
 _AFFINITY = None  # the DP controller's ContextAffinity; False when compaction is off

@@ -1,15 +1,23 @@
-"""Torch attention for CPU that honours per-layer lengths of compacted prefixes.
+"""Per-layer lengths of compacted prefixes, for any SGLang full-attention backend.
 
 A compacted context holds k_max rank slots; attention layer l uses only its first
-K_l (PyramidKV and gate-proportional budgets differ per layer). SGLang's
-torch-native backend reads every slot of a request's row, so this subclass masks
-ranks [K_l, k_max) of a child's prefix in layer l. Rows without such a prefix
-take SGLang's own path unchanged.
+K_l (PyramidKV and gate-proportional budgets differ per layer). SGLang's backends
+read every slot of a request's row, and their metadata (FlashInfer plans, Triton
+indptrs) is built once per forward for all layers, so they cannot skip ranks in
+one layer only.
+
+``per_layer_lengths_class`` derives, from any backend class, a subclass in which a
+layer where some row of the batch reads such a prefix runs through
+``masked_attention`` (plain torch, on whatever device the pool lives), and every
+other layer and batch through the backend unchanged. ``with_per_layer_lengths``
+switches a built instance to it (SGLang's isinstance checks still hold); the
+plugin applies it to every full-attention backend SGLang builds. Batches with such
+rows must run eagerly: the plugin keeps them off captured graphs.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -19,60 +27,121 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 DeadRanks = Callable[[int, int], "tuple[int, int] | None"]
 
 
-class KvxTorchNativeAttnBackend(TorchNativeAttnBackend):
-    dead_ranks: DeadRanks | None = None  # set by the plugin when a runtime exists
+class PerLayerLengths:
+    """Marks a backend class that masks ranks [K_l, k_max) of a compacted prefix in layer l."""
 
-    def _masked_rows(self, layer, forward_batch) -> dict[int, tuple[int, int]]:
-        if self.dead_ranks is None or layer.is_cross_attention:
-            return {}
-        rows = forward_batch.req_pool_indices.tolist()
-        found = {}
-        for i, row in enumerate(rows):
-            dead = self.dead_ranks(layer.layer_id, row)
-            if dead is not None:
-                found[i] = dead
-        return found
+    __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        masked = self._masked_rows(layer, forward_batch)
-        if not masked:
-            return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._forward_masked(q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False)
+    # Set once per scheduler process by the plugin (the KvxRuntime's lookup); shared by every subclass.
+    dead_ranks: ClassVar[DeadRanks | None] = None
 
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        masked = self._masked_rows(layer, forward_batch)
-        if not masked:
-            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        return self._forward_masked(q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True)
 
-    def _forward_masked(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode: bool):
-        if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-            raise NotImplementedError("per-layer compacted lengths with sliding-window attention")
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
-        num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-        q = q.reshape(-1, num_heads, head_dim)
-        out = q.new_empty((q.shape[0], num_heads, layer.v_head_dim))
-        k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        seq_lens = forward_batch.seq_lens.tolist()
-        q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens.tolist()
-        start = 0
-        for i, (row, seq_len, q_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens, q_lens)):
-            slots = req_to_token[row, :seq_len].to(torch.long)
-            keys = k_cache[slots].transpose(0, 1).float()  # [kv_heads, S, D]
-            values = v_cache[slots].transpose(0, 1).float()
-            group = num_heads // keys.shape[0]
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-            query = q[start : start + q_len].transpose(0, 1).float()  # [H, T, D]
-            logits = query @ keys.transpose(1, 2) * layer.scaling  # [H, T, S]
-            # Causal over the row: query t sits at row index seq_len - q_len + t.
-            visible = torch.arange(seq_len)[None, :] <= (seq_len - q_len + torch.arange(q_len))[:, None]
-            if i in masked:
-                k_max, kept = masked[i]
-                visible[:, kept:k_max] = False  # this layer keeps only its first K_l ranks
-            logits = logits.masked_fill(~visible, float("-inf"))
-            out[start : start + q_len] = (logits.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
-            start += q_len
-        return out.reshape(-1, num_heads * layer.v_head_dim)
+def _masked_rows(layer, forward_batch) -> dict[int, tuple[int, int]]:
+    lookup = PerLayerLengths.dead_ranks
+    if lookup is None or layer.is_cross_attention:
+        return {}
+    if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+        return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
+    found = {}
+    for i, row in enumerate(forward_batch.req_pool_indices.tolist()):
+        dead = lookup(layer.layer_id, row)
+        if dead is not None:
+            found[i] = dead
+    return found
+
+
+def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    masked = _masked_rows(layer, forward_batch)
+    if not masked:
+        return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False, **kwargs)
+
+
+def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    masked = _masked_rows(layer, forward_batch)
+    if not masked:
+        return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True, **kwargs)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def per_layer_lengths_class(backend_class: type) -> type:
+    """``backend_class`` with per-layer lengths: a subclass overriding ``forward_extend`` and
+    ``forward_decode`` (one per backend class). The backend class comes first in the bases and
+    the subclass adds no slots, so a built instance can switch to it."""
+    if issubclass(backend_class, PerLayerLengths):
+        return backend_class
+    if backend_class not in _SUBCLASSES:
+        namespace = {"__module__": __name__, "__slots__": (), "_kvx_base": backend_class,
+                     "__doc__": f"{backend_class.__name__} with per-layer lengths of compacted prefixes.",
+                     "forward_extend": _forward_extend, "forward_decode": _forward_decode}
+        _SUBCLASSES[backend_class] = type(f"Kvx{backend_class.__name__}", (backend_class, PerLayerLengths), namespace)
+    return _SUBCLASSES[backend_class]
+
+
+def with_per_layer_lengths(backend):
+    """Give a built full-attention backend per-layer lengths, in place; returns it."""
+    backend.__class__ = per_layer_lengths_class(type(backend))
+    return backend
+
+
+def has_per_layer_lengths(backend) -> bool:
+    """Whether every full-attention backend inside ``backend`` (SGLang nests them: hybrid GDN
+    wraps the full-attention one, a prefill/decode split holds two) masks per-layer lengths."""
+    if isinstance(backend, PerLayerLengths):
+        return True
+    inner = [getattr(backend, name) for name in ("full_attn_backend", "prefill_backend", "decode_backend")
+             if getattr(backend, name, None) is not None]
+    return bool(inner) and all(has_per_layer_lengths(b) for b in inner)
+
+
+# SGLang's torch-native attention with per-layer lengths: the CPU default, registered as ``kvx_torch_native``.
+KvxTorchNativeAttnBackend = per_layer_lengths_class(TorchNativeAttnBackend)
+
+
+def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked, decode: bool, **kwargs):
+    """Exact attention for every row of the batch, row by row, layer l of a compacted prefix
+    reading only its first K_l ranks. Reads the pool the same way as the backend: row slots
+    from ``req_to_token``; keys cached after RoPE."""
+    unsupported = sorted(name for name, value in kwargs.items() if value is not None)
+    if unsupported:
+        raise NotImplementedError(f"per-layer compacted lengths with attention options {unsupported}")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        raise NotImplementedError("per-layer compacted lengths with sliding-window attention")
+    if getattr(layer, "logit_cap", 0) or getattr(layer, "is_cross_attention", False):
+        raise NotImplementedError("per-layer compacted lengths with logit capping or cross-attention")
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+    num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+    q = q.reshape(-1, num_heads, head_dim)
+    out = q.new_empty((q.shape[0], num_heads, layer.v_head_dim))
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    v_cache = pool.get_value_buffer(layer.layer_id)
+    k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
+    v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    device = q.device
+    seq_lens = forward_batch.seq_lens.tolist()
+    q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens.tolist()
+    start = 0
+    for i, (row, seq_len, q_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens, q_lens)):
+        slots = req_to_token[row, :seq_len].to(torch.long)
+        keys = k_cache[slots].transpose(0, 1).float() * k_scale  # [kv_heads, S, D]
+        values = v_cache[slots].transpose(0, 1).float() * v_scale
+        group = num_heads // keys.shape[0]
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        query = q[start : start + q_len].transpose(0, 1).float()  # [H, T, D]
+        logits = query @ keys.transpose(1, 2) * layer.scaling  # [H, T, S]
+        # Causal over the row: query t sits at row index seq_len - q_len + t.
+        columns = torch.arange(seq_len, device=device)[None, :]
+        visible = columns <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
+        if i in masked:
+            k_max, kept = masked[i]
+            visible[:, kept:k_max] = False  # this layer keeps only its first K_l ranks
+        logits = logits.masked_fill(~visible, float("-inf"))
+        out[start : start + q_len] = (logits.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
+        start += q_len
+    return out.reshape(-1, num_heads * layer.v_head_dim)

@@ -77,10 +77,9 @@ class KvxRuntime:
         self.tree_cache = scheduler.tree_cache
         self.row_context: dict[int, CompactedContext] = {}
         # Per-layer budgets (PyramidKV, gate) need attention that masks a layer's unused ranks.
-        from sglang_kvx.compact.attention import KvxTorchNativeAttnBackend
+        from sglang_kvx.compact.attention import has_per_layer_lengths
 
-        backend = runner.attn_backend
-        self.per_layer_lengths = isinstance(getattr(backend, "full_attn_backend", backend), KvxTorchNativeAttnBackend)
+        self.per_layer_lengths = has_per_layer_lengths(runner.attn_backend)
         # Parents whose policy reads attention: their queries are captured during the prefill.
         self.captures: dict[int, _ParentCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
@@ -118,7 +117,7 @@ class KvxRuntime:
         if allocation not in allocation_names():
             raise KvxConfigError(f"kvx allocation {allocation!r} is unknown; valid choices: {', '.join(allocation_names())}")
         if allocation != "flat" and not self.per_layer_lengths:
-            raise KvxConfigError(f"kvx allocation {allocation!r} needs per-layer lengths: serve with --attention-backend kvx_torch_native")
+            raise KvxConfigError(f"kvx allocation {allocation!r} needs per-layer lengths, which this attention backend (MLA) cannot take; use allocation 'flat'")
         keep_fraction = parse_keep_fraction(params.get("keep_fraction", self.config.keep_fraction))
         protected = parse_protected_prefix_len(params.get("protected_prefix_len", self.config.protected_prefix_len))
         return policy, keep_fraction, protected, allocation
@@ -259,6 +258,16 @@ class KvxRuntime:
             return None
         kept = context.kept_per_layer[self.layer_index[layer_id]]
         return (context.k_max, kept) if kept < context.k_max else None
+
+    def batch_needs_per_layer_lengths(self, forward_batch) -> bool:
+        """Whether some row of the batch reads a compacted prefix that a layer uses only in part."""
+        if not self.row_context:
+            return False
+        for row in forward_batch.req_pool_indices.tolist():
+            context = self.row_context.get(row)
+            if context is not None and min(context.kept_per_layer) < context.k_max:
+                return True
+        return False
 
     def shift_positions(self, forward_batch) -> None:
         """Children's tokens continue from the true context length (RoPE), not the compacted one."""

@@ -1,0 +1,90 @@
+"""Per-layer budgets (PyramidKV, GateSight's gate allocation) on SGLang's own attention backends.
+
+The plugin gives every full-attention backend SGLang builds the per-layer-lengths mixin
+(``compact/attention.py``). Here the server runs SGLang's ``torch_native`` backend, not ours,
+with GateSight's signals recomputed around the GDN layers as on GPU, and its children must
+still equal the HF oracle applying the served keep-set.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from sglang_kvx.compact.attention import (
+    KvxTorchNativeAttnBackend,
+    PerLayerLengths,
+    has_per_layer_lengths,
+    per_layer_lengths_class,
+    with_per_layer_lengths,
+)
+from sglang_kvx.serve.launcher import ServerProcess
+
+from test_compaction_e2e import GREEDY, kvx, text
+
+
+class _Backend:
+    def __init__(self) -> None:
+        self.token_to_kv_pool = "pool"
+
+
+class _Hybrid:
+    def __init__(self, full) -> None:
+        self.full_attn_backend = full
+        self.linear_attn_backend = object()
+
+
+class _Split:
+    def __init__(self, prefill, decode) -> None:
+        self.prefill_backend, self.decode_backend = prefill, decode
+
+
+def test_the_mixin_keeps_the_backend_and_its_class() -> None:
+    backend = _Backend()
+    assert not has_per_layer_lengths(backend) and not has_per_layer_lengths(_Hybrid(backend))
+    wrapped = with_per_layer_lengths(backend)
+    assert wrapped is backend and isinstance(backend, _Backend) and isinstance(backend, PerLayerLengths)
+    assert type(backend).forward_extend is not _Backend.__dict__.get("forward_extend")
+    assert backend.token_to_kv_pool == "pool"
+    assert per_layer_lengths_class(_Backend) is type(backend)  # one subclass per class
+    assert per_layer_lengths_class(type(backend)) is type(backend)  # wrapping twice changes nothing
+    assert has_per_layer_lengths(_Hybrid(backend))
+    # A prefill/decode split needs both sides.
+    assert not has_per_layer_lengths(_Hybrid(_Split(backend, _Backend())))
+    assert has_per_layer_lengths(_Hybrid(_Split(backend, with_per_layer_lengths(_Backend()))))
+    assert issubclass(KvxTorchNativeAttnBackend, TorchNativeAttnBackend) and has_per_layer_lengths(
+        KvxTorchNativeAttnBackend.__new__(KvxTorchNativeAttnBackend))
+
+
+@pytest.mark.slow
+def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, references) -> None:
+    name = "tiny-hybrid-deep"
+    ref = references[name]
+    context = ref.encode(text(260, seed=31))
+    questions = [ref.encode("Question: which word comes next? Answer:"), ref.encode("Question: and the word after? Answer:")]
+    server = ServerProcess(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
+                           "--attention-backend", "torch_native", "--context-length", "4096",
+                           max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
+    with server:
+        for policy in ("gatesight", "pyramidkv"):
+            response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **kvx(policy, 0.2)}})
+            assert response.status_code == 200, response.text
+            entries = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+            (entry,) = [e for e in entries if e["policy"] == policy]
+            keep = [torch.tensor(layer) for layer in entry["positions"]]
+            kept = [k.shape[1] for k in keep]
+            assert len(set(kept)) > 1, kept  # the layers keep different numbers: the masked path runs
+            for question in questions:
+                response = server.generate({"input_ids": context + question, "return_logprob": True, "sampling_params": {
+                    **GREEDY, "max_new_tokens": 8, **kvx(policy, 0.2)}})
+                assert response.status_code == 200, response.text
+                body = response.json()
+                expected_ids, expected_lp = ref.compacted_generate(context, keep, question, 8)
+                assert body["output_ids"] == expected_ids, policy
+                served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
+                assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
+                assert body["meta_info"]["cached_tokens"] == max(kept)
+        stats = server.stats()
+    assert sorted(c["reuse_count"] for c in stats["compacted_contexts"]) == [2, 2]
