@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import json
+import math
 import random
 import time
 from dataclasses import replace
@@ -72,9 +73,21 @@ def ruler_sample(tokenizer, task: str, length: int, rng: random.Random) -> Sampl
     return Sample(prompt + answer, len(prompt), task, tuple(sample.answers))
 
 
+def learning_rate(peak: float, schedule: str, step: int, warmup_steps: int, progress: float) -> float:
+    """Linear warm-up, then ``constant`` or ``cosine`` (down to a tenth of the peak at the end of
+    the time budget; ``progress`` is the share of it used)."""
+    warm = min(1.0, (step + 1) / warmup_steps)
+    if schedule == "constant":
+        return peak * warm
+    if schedule == "cosine":
+        return peak * warm * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r} (constant, cosine)")
+
+
 def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 1024), ruler_share: float = 0.6,
-             tasks: tuple[str, ...] = RULER_TASKS) -> dict:
-    cfg = replace(TrainConfig(seed=seed), lr=1e-3, warmup_steps=20)
+             tasks: tuple[str, ...] = RULER_TASKS, lr: float = 1e-3, schedule: str = "constant") -> dict:
+    cfg = replace(TrainConfig(seed=seed), lr=lr, warmup_steps=20)
+    learning_rate(lr, schedule, 0, cfg.warmup_steps, 0.0)  # an unknown schedule fails before training
     torch.manual_seed(seed)
     rng = random.Random(seed)
     needles = NeedleDataGenerator(tokenizer, seed)
@@ -93,7 +106,7 @@ def finetune(model, tokenizer, minutes: float, seed: int, lengths=(512, 768, 102
         ]
         batch = collate(samples, pad_id)
         for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * min(1.0, (steps + 1) / cfg.warmup_steps)
+            group["lr"] = learning_rate(cfg.lr, schedule, steps, cfg.warmup_steps, (time.monotonic() - start) / (minutes * 60))
         loss, _, answer_loss = compute_loss(model, batch, cfg.lm_weight)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -138,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--grow", type=int, default=1, help="stack the layer pattern this many times first (new blocks start as identity)")
     parser.add_argument("--tasks", default=",".join(RULER_TASKS), help="comma-separated suite tasks to train on")
-    parser.add_argument("--lengths", default="512,768,1024", help="comma-separated sample lengths in tokens")
+    parser.add_argument("--lengths", default="512,768,1024", help="comma-separated sample lengths in tokens (repeat one to weight it)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--schedule", default="constant", choices=("constant", "cosine"), help="learning rate after the warm-up")
+    parser.add_argument("--ruler-share", type=float, default=0.6, help="share of suite samples; the rest is train_demo's needle data")
     args = parser.parse_args(argv)
     tasks = tuple(t for t in args.tasks.split(",") if t)
     lengths = tuple(int(x) for x in args.lengths.split(","))
@@ -152,8 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.grow > 1:
         model = grow_depth(model, args.grow, args.seed)
         meta["name"] = Path(args.out).name
-    result = finetune(model, tokenizer, args.minutes, args.seed, lengths=lengths, tasks=tasks)
+    if not 0.0 <= args.ruler_share <= 1.0:
+        parser.error("--ruler-share must lie in [0, 1]")
+    result = finetune(model, tokenizer, args.minutes, args.seed, lengths=lengths, tasks=tasks,
+                      ruler_share=args.ruler_share, lr=args.lr, schedule=args.schedule)
+    if "ruler_finetune" in meta:  # a checkpoint fine-tuned again keeps the whole chain
+        meta.setdefault("earlier_finetunes", []).append(meta["ruler_finetune"])
     meta["ruler_finetune"] = {**result, "tasks": list(tasks), "lengths": list(lengths), "grow": args.grow, "seed": args.seed,
+                              "lr": args.lr, "schedule": args.schedule, "ruler_share": args.ruler_share,
                               "command": "python -m sglang_kvx.training.finetune_ruler " + " ".join(argv if argv is not None else sys.argv[1:])}
     if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
         with torch.no_grad():
