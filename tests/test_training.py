@@ -160,3 +160,16 @@ def test_dense_architecture_trains_and_saves_as_llama(tmp_path) -> None:
 def test_unknown_architecture_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown architecture"):
         build_initial_model(seed=0, arch="tiny-mamba")
+
+
+def test_finetune_learning_rate_schedules() -> None:
+    from sglang_kvx.training.finetune_ruler import learning_rate
+
+    assert learning_rate(1e-3, "constant", 0, 20, 0.0) == pytest.approx(5e-5)  # warm-up
+    assert learning_rate(1e-3, "constant", 500, 20, 0.9) == pytest.approx(1e-3)
+    assert learning_rate(1e-3, "cosine", 500, 20, 0.0) == pytest.approx(1e-3)
+    assert learning_rate(1e-3, "cosine", 500, 20, 0.5) == pytest.approx(5.5e-4)
+    assert learning_rate(1e-3, "cosine", 500, 20, 1.0) == pytest.approx(1e-4)  # a tenth at the end
+    assert learning_rate(1e-3, "cosine", 500, 20, 1.3) == pytest.approx(1e-4)  # the last step may overrun
+    with pytest.raises(ValueError, match="linear"):
+        learning_rate(1e-3, "linear", 0, 20, 0.0)
