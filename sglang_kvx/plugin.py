@@ -286,7 +286,7 @@ def _after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
         from sglang_kvx.compact.runtime import KvxRuntime
 
         _RUNTIME = KvxRuntime(scheduler, config)
-        PerLayerLengths.dead_ranks = _RUNTIME.dead_ranks
+        PerLayerLengths.masked_rows = _RUNTIME.masked_rows
         # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
         if _on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute":
             from sglang_kvx.models.gdn_backend import TorchGDNAttnBackend

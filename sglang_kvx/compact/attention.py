@@ -23,8 +23,8 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-# (layer_id, req_pool_idx) -> (k_max, K_l) when the row's prefix is compacted with K_l < k_max, else None.
-DeadRanks = Callable[[int, int], "tuple[int, int] | None"]
+# (layer_id, forward_batch) -> {batch index: (k_max, K_l)} for rows whose compacted prefix that layer uses in part.
+MaskedRows = Callable[[int, object], "dict[int, tuple[int, int]]"]
 
 
 class PerLayerLengths:
@@ -33,21 +33,16 @@ class PerLayerLengths:
     __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
     # Set once per scheduler process by the plugin (the KvxRuntime's lookup); shared by every subclass.
-    dead_ranks: ClassVar[DeadRanks | None] = None
+    masked_rows: ClassVar[MaskedRows | None] = None
 
 
 def _masked_rows(layer, forward_batch) -> dict[int, tuple[int, int]]:
-    lookup = PerLayerLengths.dead_ranks
+    lookup = PerLayerLengths.masked_rows
     if lookup is None or layer.is_cross_attention:
         return {}
     if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
-    found = {}
-    for i, row in enumerate(forward_batch.req_pool_indices.tolist()):
-        dead = lookup(layer.layer_id, row)
-        if dead is not None:
-            found[i] = dead
-    return found
+    return lookup(layer.layer_id, forward_batch)
 
 
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -259,15 +259,24 @@ class KvxRuntime:
         kept = context.kept_per_layer[self.layer_index[layer_id]]
         return (context.k_max, kept) if kept < context.k_max else None
 
+    def masked_rows(self, layer_id: int, forward_batch) -> dict[int, tuple[int, int]]:
+        """Batch index -> (k_max, K_l) for each row reading a compacted prefix that layer ``layer_id``
+        uses only in part. Reads the batch's rows (a device sync on GPU) only while such a row exists."""
+        if not any(context.has_partial_layers for context in self.row_context.values()):
+            return {}
+        found = {}
+        for i, row in enumerate(forward_batch.req_pool_indices.tolist()):
+            dead = self.dead_ranks(layer_id, row)
+            if dead is not None:
+                found[i] = dead
+        return found
+
     def batch_needs_per_layer_lengths(self, forward_batch) -> bool:
         """Whether some row of the batch reads a compacted prefix that a layer uses only in part."""
-        if not self.row_context:
+        if not any(context.has_partial_layers for context in self.row_context.values()):
             return False
-        for row in forward_batch.req_pool_indices.tolist():
-            context = self.row_context.get(row)
-            if context is not None and min(context.kept_per_layer) < context.k_max:
-                return True
-        return False
+        return any(self.row_context[row].has_partial_layers for row in forward_batch.req_pool_indices.tolist()
+                   if row in self.row_context)
 
     def shift_positions(self, forward_batch) -> None:
         """Children's tokens continue from the true context length (RoPE), not the compacted one."""

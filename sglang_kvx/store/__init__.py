@@ -52,6 +52,11 @@ class CompactedContext:
     def k_max(self) -> int:
         return int(self.slots.numel())
 
+    @functools.cached_property
+    def has_partial_layers(self) -> bool:
+        """Whether some layer uses fewer than k_max ranks (attention must then mask the rest)."""
+        return min(self.kept_per_layer) < self.k_max
+
     def summary(self) -> dict[str, Any]:
         return {
             "context_tokens": self.n,

@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", default="constant", choices=("constant", "cosine"), help="learning rate after the warm-up")
     parser.add_argument("--ruler-share", type=float, default=0.6, help="share of suite samples; the rest is train_demo's needle data")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.ruler_share <= 1.0:
+        parser.error("--ruler-share must lie in [0, 1]")
     tasks = tuple(t for t in args.tasks.split(",") if t)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.grow > 1:
         model = grow_depth(model, args.grow, args.seed)
         meta["name"] = Path(args.out).name
-    if not 0.0 <= args.ruler_share <= 1.0:
-        parser.error("--ruler-share must lie in [0, 1]")
     result = finetune(model, tokenizer, args.minutes, args.seed, lengths=lengths, tasks=tasks,
                       ruler_share=args.ruler_share, lr=args.lr, schedule=args.schedule)
     if "ruler_finetune" in meta:  # a checkpoint fine-tuned again keeps the whole chain
