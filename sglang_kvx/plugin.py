@@ -345,10 +345,10 @@ def _around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None
 
     original(req, None, cow_mamba)
     match_kv_cache(req, tree_cache, array("q"), cow_mamba=False, max_prefix_len=0)
-    k_max = getattr(req, "_kvx_context").k_max
-    req.prefix_len = k_max
-    req.num_matched_prefix_tokens = k_max
-    req.kv.cache_protected_len = k_max  # SGLang frees only what lies past it
+    num_slots = getattr(req, "_kvx_context").num_slots
+    req.prefix_len = num_slots
+    req.num_matched_prefix_tokens = num_slots
+    req.kv.cache_protected_len = num_slots  # SGLang frees only what lies past it
 
 
 def _around_prefix_device_indices(original, tree_cache, req):

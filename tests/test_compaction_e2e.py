@@ -140,7 +140,9 @@ def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, kee
     served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
     # The child read the compacted prefix: its cached tokens are the rank slots, not the context.
-    assert body["meta_info"]["cached_tokens"] == max(offline.kept_per_layer)
+    # The child's prefix is the context's slots: the mean of the per-layer counts (layers folded).
+    kept = offline.kept_per_layer
+    assert body["meta_info"]["cached_tokens"] == -(-sum(kept) // len(kept))
     # ... and compaction changed what the model saw (the check can fail when it does nothing).
     prompt = context + question
     full_lp = ref.prompt_logprobs(prompt + body["output_ids"])[len(prompt) - 1 :]
@@ -196,6 +198,16 @@ def test_compaction_frees_the_context_and_nothing_leaks(compacting):
     for i in range(3):
         ask(server, context, ref.encode(f" question {i}?"), "streamingllm", 0.1)
     generate(server, ref.encode(text(50, seed=22)), 5)
+    # Per-layer budgets (PyramidKV): the layers are folded, so the context holds the mean of the
+    # per-layer counts and frees (1 - p) of its entries to within one slot.
+    pyramid = ref.encode(text(300, seed=25))
+    before = server.stats()["kv_pool_free_tokens"]
+    compact(server, pyramid, "pyramidkv", 0.1)
+    entry = stored(server, len(pyramid), "pyramidkv", 0.1)
+    kept = entry["kept_entries"]
+    assert len(set(kept)) > 1 and entry["folded_entries"] > 0, entry
+    assert entry["slots"] == -(-sum(kept) // len(kept)) and before - server.stats()["kv_pool_free_tokens"] == entry["slots"]
+    ask(server, pyramid, ref.encode(" which word?"), "pyramidkv", 0.1)
     second = ref.encode(text(120, seed=24))  # KVzip: held context + internal reconstruction passes
     compact(server, second, "kvzip", 0.2)
     ask(server, second, ref.encode(" and?"), "kvzip", 0.2)

@@ -1,10 +1,12 @@
 """Per-layer lengths of compacted prefixes, for any SGLang full-attention backend.
 
-A compacted context holds k_max rank slots; attention layer l uses only its first
-K_l (PyramidKV and gate-proportional budgets differ per layer). SGLang's backends
-read every slot of a request's row, and their metadata (FlashInfer plans, Triton
-indptrs) is built once per forward for all layers, so they cannot skip ranks in
-one layer only.
+A compacted context holds S rank slots at the start of a child's row. With per-layer
+budgets (PyramidKV, gate-proportional) layer l keeps K_l entries: the first
+min(K_l, S) in its own buffer and, when K_l > S, the rest in cells another layer
+leaves empty (``compact/layout.py``). SGLang's backends read every slot of a
+request's row in every layer, and their metadata (FlashInfer plans, Triton indptrs)
+is built once per forward for all layers, so they can neither skip ranks nor read
+another layer's buffer in one layer only.
 
 ``per_layer_lengths_class`` derives, from any backend class, a subclass in which a
 layer where some row of the batch reads such a prefix runs through
@@ -17,18 +19,28 @@ rows must run eagerly: the plugin keeps them off captured graphs.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-# (layer_id, forward_batch) -> {batch index: (k_max, K_l)} for rows whose compacted prefix that layer uses in part.
-MaskedRows = Callable[[int, object], "dict[int, tuple[int, int]]"]
+
+
+class PrefixCells(NamedTuple):
+    """What one layer reads of a compacted prefix, where that differs from the row's first S slots."""
+
+    num_slots: int  # S: the prefix's slots at the start of the row
+    own: int  # this layer's ranks in its own buffer: row slots [0, own); [own, S) are masked out
+    borrowed: tuple[tuple[int, torch.Tensor], ...] = ()  # (layer_id of a buffer, slots there): its further ranks
+
+
+# (layer_id, forward_batch) -> {batch index: PrefixCells} for rows whose compacted prefix that layer reads unlike the backend.
+MaskedRows = Callable[[int, object], "dict[int, PrefixCells]"]
 
 
 class PerLayerLengths:
-    """Marks a backend class that masks ranks [K_l, k_max) of a compacted prefix in layer l."""
+    """Marks a backend class that reads a compacted prefix per layer (masked ranks, borrowed cells)."""
 
     __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
@@ -36,7 +48,7 @@ class PerLayerLengths:
     masked_rows: ClassVar[MaskedRows | None] = None
 
 
-def _masked_rows(layer, forward_batch) -> dict[int, tuple[int, int]]:
+def _masked_rows(layer, forward_batch) -> dict[int, PrefixCells]:
     lookup = PerLayerLengths.masked_rows
     if lookup is None or layer.is_cross_attention:
         return {}
@@ -97,9 +109,11 @@ KvxTorchNativeAttnBackend = per_layer_lengths_class(TorchNativeAttnBackend)
 
 
 def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked, decode: bool, **kwargs):
-    """Exact attention for every row of the batch, row by row, layer l of a compacted prefix
-    reading only its first K_l ranks. Reads the pool the same way as the backend: row slots
-    from ``req_to_token``; keys cached after RoPE."""
+    """Exact attention for every row of the batch, row by row; a row in ``masked`` reads, in this
+    layer, only its own ranks of the compacted prefix plus the cells it borrowed from other
+    layers' buffers. Reads the pool the same way as the backend: row slots from
+    ``req_to_token``; keys cached after RoPE (a borrowed cell holds this layer's raw bytes,
+    so this layer's scales apply)."""
     unsupported = sorted(name for name, value in kwargs.items() if value is not None)
     if unsupported:
         raise NotImplementedError(f"per-layer compacted lengths with attention options {unsupported}")
@@ -124,18 +138,24 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     start = 0
     for i, (row, seq_len, q_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens, q_lens)):
         slots = req_to_token[row, :seq_len].to(torch.long)
-        keys = k_cache[slots].transpose(0, 1).float() * k_scale  # [kv_heads, S, D]
-        values = v_cache[slots].transpose(0, 1).float() * v_scale
+        keys, values = k_cache[slots], v_cache[slots]  # [seq_len, kv_heads, D]
+        # Causal over the row: query t sits at row index seq_len - q_len + t.
+        columns = torch.arange(seq_len, device=device)[None, :]
+        visible = columns <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
+        cells = masked.get(i)
+        if cells is not None:
+            visible[:, cells.own : cells.num_slots] = False  # ranks this layer does not keep here
+            if cells.borrowed:  # its further ranks, visible to every query of the row
+                keys = torch.cat([keys, *(pool.get_key_buffer(lid)[at] for lid, at in cells.borrowed)])
+                values = torch.cat([values, *(pool.get_value_buffer(lid)[at] for lid, at in cells.borrowed)])
+                extra = keys.shape[0] - seq_len
+                visible = torch.cat([visible, visible.new_ones((q_len, extra))], dim=1)
+        keys = keys.transpose(0, 1).float() * k_scale  # [kv_heads, S, D]
+        values = values.transpose(0, 1).float() * v_scale
         group = num_heads // keys.shape[0]
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         query = q[start : start + q_len].transpose(0, 1).float()  # [H, T, D]
         logits = query @ keys.transpose(1, 2) * layer.scaling  # [H, T, S]
-        # Causal over the row: query t sits at row index seq_len - q_len + t.
-        columns = torch.arange(seq_len, device=device)[None, :]
-        visible = columns <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
-        if i in masked:
-            k_max, kept = masked[i]
-            visible[:, kept:k_max] = False  # this layer keeps only its first K_l ranks
         logits = logits.masked_fill(~visible, float("-inf"))
         out[start : start + q_len] = (logits.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
         start += q_len

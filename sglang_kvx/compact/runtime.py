@@ -4,13 +4,14 @@ The flow, per context:
   parent request (a prefill-only request, or one whose custom_params ask for it)
     -> SGLang prefills it as usual
     -> at release: read its keys/values from SGLang's pool (signals), score (policy),
-       allocate budgets, select per (layer, KV head), copy the kept entries into
-       fresh pool slots in rank order (compact), snapshot its GDN states, and let
-       SGLang free every slot of the full context (it is not inserted in the tree)
+       allocate budgets, select per (layer, KV head), copy the kept entries in rank
+       order into S of its own slots, layers folded (compact/layout.py), snapshot
+       its GDN states, and let SGLang free every other slot of the full context
+       (it is not inserted in the tree)
   child request (its prompt starts with a stored context)
-    -> its context tokens are replaced by the stored rank slots as a protected
-       prefix; its own tokens keep their true positions (offset n - k_max),
-       and its GDN state slot starts from the parent's snapshot.
+    -> its context tokens are replaced by the S stored rank slots as a protected
+       prefix; its own tokens keep their true positions (offset n - S), and its
+       GDN state slot starts from the parent's snapshot.
 
 Only plugin.py calls into this module; everything SGLang-specific it touches
 (Req fields, pools, allocator) is named in the method that touches it.
@@ -36,6 +37,7 @@ from sglang_kvx.config import (
     parse_protected_prefix_len,
     request_kvx_params,
 )
+from sglang_kvx.compact.layout import PrefixLayout, fold_layers
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
 from sglang_kvx.compact.second_pass import KVzipSecondPass
@@ -83,13 +85,19 @@ class KvxRuntime:
         # Parents whose policy reads attention: their queries are captured during the prefill.
         self.captures: dict[int, _ParentCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
-        # True-position offset of each request row's tokens (n - k_max for a child, else 0).
+        # True-position offset of each request row's tokens (n - S for a child, else 0).
         self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
         key_buffer = self.kv_pool.get_key_buffer(self.attention_layer_ids[0])
         self.num_kv_heads, self.head_dim = key_buffer.shape[1], key_buffer.shape[2]
         # One entry = one position's key and value in one attention layer, all KV heads.
         self.bytes_per_entry = 2 * self.num_kv_heads * self.head_dim * key_buffer.element_size()
         self.bytes_per_token = len(self.attention_layer_ids) * self.bytes_per_entry
+        # Layers can lend each other empty cells only when their entries have one shape and dtype.
+        def kinds(buffer_of) -> set:
+            return {(tuple(buffer_of(i).shape[1:]), buffer_of(i).dtype, buffer_of(i).device) for i in self.attention_layer_ids}
+
+        self.fold_layers = (self.per_layer_lengths and len(kinds(self.kv_pool.get_key_buffer)) == 1
+                            and len(kinds(self.kv_pool.get_value_buffer)) == 1)
 
     # --- which requests take part ------------------------------------------------
 
@@ -166,7 +174,7 @@ class KvxRuntime:
         self.make_room(wanted - context.n, keep=context)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(req.origin_input_ids[context.n :])
-        req.origin_input_ids = array("q", list(context.context_ids[: context.k_max]) + question)
+        req.origin_input_ids = array("q", list(context.context_ids[: context.num_slots]) + question)
         req.skip_radix_cache_insert = True  # its prefix is the store's, not the tree's
         setattr(req, _CHILD, context)
         context.reuse_count += 1
@@ -187,7 +195,7 @@ class KvxRuntime:
             self.store.remove(victim)
             self.allocator.free(victim.slots)
             self.evicted += 1
-            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.k_max)
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
 
     def _check_parent(self, req) -> None:
         if getattr(req, _PARENT_CHECKED, False):
@@ -238,44 +246,38 @@ class KvxRuntime:
                             signals=wanted,
                         )
                 continue
-            self.position_offset[row] = context.n - context.k_max
+            self.position_offset[row] = context.n - context.num_slots
             self.row_context[row] = context
             if req.rid in self.kvzip.jobs and row not in self.captures:
                 self.captures[row] = _ParentCapture(
                     n=len(req.origin_input_ids), num_layers=len(self.attention_layer_ids), window=0,
                     column_sums=False, signals=frozenset({"reconstruction"}),
                 )
-            if context.gdn_snapshot is not None and req.prefix_len == context.k_max:
+            if context.gdn_snapshot is not None and req.prefix_len == context.num_slots:
                 self.mamba_pool.load_cpu_copy(context.gdn_snapshot, self.mamba_slot(req))
                 # SGLang zeroes a fresh request's state slot later in the same prepare step
                 # (a deferred clear); this slot now holds the parent's state instead.
                 req.kv.mamba_needs_clear = False
 
-    def dead_ranks(self, layer_id: int, row: int) -> tuple[int, int] | None:
-        """(k_max, K_l) when row ``row`` reads a compacted prefix whose layer keeps fewer than k_max."""
-        context = self.row_context.get(row)
-        if context is None:
-            return None
-        kept = context.kept_per_layer[self.layer_index[layer_id]]
-        return (context.k_max, kept) if kept < context.k_max else None
-
-    def masked_rows(self, layer_id: int, forward_batch) -> dict[int, tuple[int, int]]:
-        """Batch index -> (k_max, K_l) for each row reading a compacted prefix that layer ``layer_id``
-        uses only in part. Reads the batch's rows (a device sync on GPU) only while such a row exists."""
-        if not any(context.has_partial_layers for context in self.row_context.values()):
+    def masked_rows(self, layer_id: int, forward_batch) -> dict:
+        """Batch index -> PrefixCells for each row reading a compacted prefix that layer ``layer_id``
+        reads other than as its S slots (masked ranks, borrowed cells). Reads the batch's rows
+        (a device sync on GPU) only while a child of such a context is running."""
+        if not any(context.needs_masked_attention for context in self.row_context.values()):
             return {}
+        layer = self.layer_index[layer_id]
         found = {}
         for i, row in enumerate(forward_batch.req_pool_indices.tolist()):
-            dead = self.dead_ranks(layer_id, row)
-            if dead is not None:
-                found[i] = dead
+            context = self.row_context.get(row)
+            if context is not None and context.prefix_cells[layer] is not None:
+                found[i] = context.prefix_cells[layer]
         return found
 
     def batch_needs_per_layer_lengths(self, forward_batch) -> bool:
-        """Whether some row of the batch reads a compacted prefix that a layer uses only in part."""
-        if not any(context.has_partial_layers for context in self.row_context.values()):
+        """Whether some row of the batch reads a compacted prefix that a layer reads other than as its S slots."""
+        if not any(context.needs_masked_attention for context in self.row_context.values()):
             return False
-        return any(self.row_context[row].has_partial_layers for row in forward_batch.req_pool_indices.tolist()
+        return any(self.row_context[row].needs_masked_attention for row in forward_batch.req_pool_indices.tolist()
                    if row in self.row_context)
 
     def shift_positions(self, forward_batch) -> None:
@@ -461,13 +463,14 @@ class KvxRuntime:
         t1 = time.perf_counter()
         keep = choose_keep_set(self._policy(policy), signals, keep_fraction, allocation)
         t2 = time.perf_counter()
-        k_max = max(keep.kept_per_layer)
-        slots = self._rank_slots(req, row, k_max)
+        layout = fold_layers(keep.kept_per_layer, fold=self.fold_layers)
+        slots = self._rank_slots(req, row, layout.num_slots)
         if slots is None:
-            logger.warning("sglang_kvx: no room for %d compacted slots; the %d-token context stays uncompacted", k_max, n)
+            logger.warning("sglang_kvx: no room for %d compacted slots; the %d-token context stays uncompacted",
+                           layout.num_slots, n)
             self.skipped_no_room += 1
             return None
-        self.gather_kept(row, slots, keep)
+        self.gather_kept(row, slots, keep, layout)
         snapshot = None
         if self.mamba_pool is not None:
             snapshot = self.mamba_pool.get_cpu_copy(self.mamba_slot(req))
@@ -479,6 +482,8 @@ class KvxRuntime:
             allocation=allocation,
             slots=slots,
             kept_per_layer=keep.kept_per_layer,
+            layout=layout,
+            prefix_cells=self.prefix_cells(slots, layout),
             keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=snapshot,
             timings={
@@ -507,37 +512,56 @@ class KvxRuntime:
             keys=keys, values=values, protected_prefix_len=protected,
         )
 
-    def gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep) -> None:
+    def gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep, layout: PrefixLayout) -> None:
         """Copy each (layer, KV head)'s kept entries, in rank order, from the context's slots ``row``
-        into ``slots``. Each assignment reads its source before writing, so ``slots`` may be
-        the first k_max of ``row`` itself."""
+        into ``slots`` as ``layout`` places them. Every kept entry is read before anything is
+        written (a folded layer writes into another layer's buffer), so ``slots`` may be the
+        first S of ``row`` itself."""
+        heads = torch.arange(self.num_kv_heads, device=row.device)[:, None]
+        kept = []
         for layer, layer_id in enumerate(self.attention_layer_ids):
-            positions = keep.positions[layer].to(row.device)  # [kv_heads, K_l]
-            source = row[positions]  # the context's slots, per head
-            kept = positions.shape[1]
-            key_buffer = self.kv_pool.get_key_buffer(layer_id)
-            value_buffer = self.kv_pool.get_value_buffer(layer_id)
-            for kv_head in range(self.num_kv_heads):
-                key_buffer[slots[:kept], kv_head] = key_buffer[source[kv_head], kv_head]
-                value_buffer[slots[:kept], kv_head] = value_buffer[source[kv_head], kv_head]
+            source = row[keep.positions[layer].to(row.device)]  # [kv_heads, K_l]: the context's slots, per head
+            kept.append((self.kv_pool.get_key_buffer(layer_id)[source, heads].transpose(0, 1),  # [K_l, kv_heads, D]
+                         self.kv_pool.get_value_buffer(layer_id)[source, heads].transpose(0, 1)))
+        for layer, (keys, values) in enumerate(kept):
+            cells = layout.layers[layer]
+            pieces = [(layer, 0, cells.own)] + [(b.layer, b.start, b.end) for b in cells.borrowed]
+            rank = 0
+            for holder, start, end in pieces:
+                holder_id = self.attention_layer_ids[holder]
+                self.kv_pool.get_key_buffer(holder_id)[slots[start:end]] = keys[rank : rank + end - start]
+                self.kv_pool.get_value_buffer(holder_id)[slots[start:end]] = values[rank : rank + end - start]
+                rank += end - start
+
+    def prefix_cells(self, slots: torch.Tensor, layout: PrefixLayout) -> list:
+        """Per attention layer, what its attention reads of the context beyond the plain S slots (None: plain)."""
+        from sglang_kvx.compact.attention import PrefixCells
+
+        cells = []
+        for layer, layer_cells in enumerate(layout.layers):
+            if layout.is_plain(layer):
+                cells.append(None)
+                continue
+            borrowed = tuple((self.attention_layer_ids[b.layer], slots[b.start : b.end]) for b in layer_cells.borrowed)
+            cells.append(PrefixCells(layout.num_slots, layer_cells.own, borrowed))
+        return cells
 
     def held_slots(self) -> int:
         """Pool slots held outside SGLang's tree and requests: the store's and KVzip's held contexts."""
         return self.store.slots_held() + self.kvzip.held_slots()
 
-    def _rank_slots(self, req, row: torch.Tensor, k_max: int) -> torch.Tensor | None:
-        """Slots for the compacted context. Prefer the parent's own: the copy gathers each
-        (layer, head) into the first k_max slots the parent owns (a gather reads before it
-        writes, and heads and layers live in separate columns and buffers), so compaction
-        needs no memory beyond what the prefill held. Fresh slots only when the parent owns
-        too few (most of its context was a radix-cache hit)."""
+    def _rank_slots(self, req, row: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+        """Slots for the compacted context. Prefer the parent's own: the copy gathers the kept
+        entries into the first S slots the parent owns (gather_kept reads them all before it
+        writes), so compaction needs no pool slots beyond what the prefill held. Fresh slots
+        only when the parent owns too few (most of its context was a radix-cache hit)."""
         owned_start = int(req.kv.cache_protected_len)
-        if len(row) - owned_start >= k_max:
-            slots = row[owned_start : owned_start + k_max].clone()
+        if len(row) - owned_start >= num_slots:
+            slots = row[owned_start : owned_start + num_slots].clone()
             # SGLang frees the parent's row past its protected length: keep these out of it.
-            req.kv.cache_protected_len = owned_start + k_max
+            req.kv.cache_protected_len = owned_start + num_slots
             return slots
-        fresh = self.allocator.alloc(k_max)
+        fresh = self.allocator.alloc(num_slots)
         return None if fresh is None else fresh.to(torch.long)
 
     def mamba_slot(self, req) -> torch.Tensor:

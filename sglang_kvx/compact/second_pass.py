@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from sglang_kvx.compact.layout import fold_layers
 from sglang_kvx.config import KvxConfigError
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.store import CompactedContext
@@ -37,7 +38,7 @@ _ids = itertools.count()
 
 @dataclass
 class KVzipJob:
-    context: CompactedContext  # the full context (k_max = n, every layer keeps every position)
+    context: CompactedContext  # the full context (S = n, every layer keeps every position)
     settings: tuple[str, float, int, str]
     passes: dict[str, tuple[int, int]]  # rid -> (start, end) of its chunk
     totals: list[torch.Tensor]  # per attention layer [kv_heads, n]: running max of reconstruction attention
@@ -89,7 +90,8 @@ def full_context(context_ids: tuple[int, ...], settings: tuple[str, float, int, 
     n = len(context_ids)
     return CompactedContext(
         context_ids=context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
-        allocation=allocation, slots=slots, kept_per_layer=[n] * num_layers, gdn_snapshot=gdn_snapshot,
+        allocation=allocation, slots=slots, kept_per_layer=[n] * num_layers, layout=fold_layers([n] * num_layers),
+        prefix_cells=[None] * num_layers, gdn_snapshot=gdn_snapshot,
     )
 
 
@@ -107,7 +109,7 @@ class KVzipSecondPass:
 
     def held_slots(self) -> int:
         jobs = {id(job): job for job in self.jobs.values()}
-        return sum(job.context.k_max for job in jobs.values())
+        return sum(job.context.num_slots for job in jobs.values())
 
     def prompt(self) -> tuple[list[int], list[int], list[int]]:
         if self._prompt is None:
@@ -194,14 +196,16 @@ class KVzipSecondPass:
         signals.reconstruction_attention = job.totals
         keep = choose_keep_set(self.rt._policy(policy), signals, keep_fraction, allocation)
         t1 = time.perf_counter()
-        k_max = max(keep.kept_per_layer)
-        self.rt.gather_kept(held, held, keep)
-        if k_max < len(held):
-            self.rt.allocator.free(held[k_max:])
+        layout = fold_layers(keep.kept_per_layer, fold=self.rt.fold_layers)
+        slots = held[: layout.num_slots].clone()
+        self.rt.gather_kept(held, slots, keep, layout)
+        if layout.num_slots < len(held):
+            self.rt.allocator.free(held[layout.num_slots :])
         context = CompactedContext(
             context_ids=job.context.context_ids, policy=policy, keep_fraction=keep_fraction, protected_prefix_len=protected,
             allocation=allocation,
-            slots=held[:k_max].clone(), kept_per_layer=keep.kept_per_layer, keep_positions=[p.cpu() for p in keep.positions],
+            slots=slots, kept_per_layer=keep.kept_per_layer, layout=layout, prefix_cells=self.rt.prefix_cells(slots, layout),
+            keep_positions=[p.cpu() for p in keep.positions],
             gdn_snapshot=job.context.gdn_snapshot,
             timings={
                 "second_pass_s": t0 - job.started,  # queueing + prefill of the reconstruction passes

@@ -1,11 +1,13 @@
 """The compacted-context store: what each compacted context keeps, and where.
 
-A compacted context holds ``k_max = max_l K_l`` slots of SGLang's own KV pool
-("rank slots"): in attention layer l and KV head h, slot i holds that head's
-i-th kept entry (keys are cached after RoPE, so a slot need not mean one
-position across heads); ranks >= K_l are unused in layer l. The slots are
-allocated from SGLang's allocator, so the pool's free count sees them, and the
-rest of the context's slots go back to the pool. GDN states at the end of the
+A compacted context holds S slots of SGLang's own KV pool ("rank slots"): in
+attention layer l and KV head h, slot i holds that head's i-th kept entry (keys
+are cached after RoPE, so a slot need not mean one position across heads). With
+per-layer budgets the layers are folded (``compact/layout.py``): S is the mean of
+the K_l, and a layer keeping more than S puts its last ranks in cells another
+layer leaves empty. The slots are allocated from SGLang's allocator, so the
+pool's free count sees them, and the rest of the context's slots go back to the
+pool. GDN states at the end of the
 context are kept as a snapshot and restored into every child's state slot.
 """
 
@@ -18,6 +20,8 @@ from typing import Any
 
 import torch
 
+from sglang_kvx.compact.layout import PrefixLayout
+
 
 @dataclass
 class CompactedContext:
@@ -25,12 +29,15 @@ class CompactedContext:
     policy: str
     keep_fraction: float
     protected_prefix_len: int
-    slots: torch.Tensor  # LongTensor [k_max]: pool slots holding the kept entries (rank order)
+    slots: torch.Tensor  # LongTensor [S]: pool slots holding the kept entries (rank order)
     kept_per_layer: list[int]
+    layout: PrefixLayout  # which cells of which layer's buffer hold each layer's ranks
     keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
     allocation: str = "flat"  # how the budget was spread across attention layers
     gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
     timings: dict[str, float] = field(default_factory=dict)
+    # Per attention layer, what attention reads beyond the backend's plain row (None: plain); set by the runtime.
+    prefix_cells: list[Any] = field(default_factory=list)
     reuse_count: int = 0
     active_children: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -49,19 +56,20 @@ class CompactedContext:
         return [p.tolist() for p in self.keep_positions]
 
     @property
-    def k_max(self) -> int:
+    def num_slots(self) -> int:
         return int(self.slots.numel())
 
     @functools.cached_property
-    def has_partial_layers(self) -> bool:
-        """Whether some layer uses fewer than k_max ranks (attention must then mask the rest)."""
-        return min(self.kept_per_layer) < self.k_max
+    def needs_masked_attention(self) -> bool:
+        """Whether some layer reads other than exactly its S slots (it masks ranks or borrows cells)."""
+        return not self.layout.is_all_plain
 
     def summary(self) -> dict[str, Any]:
         return {
             "context_tokens": self.n,
             "kept_entries": self.kept_per_layer,
-            "slots": self.k_max,
+            "slots": self.num_slots,
+            "folded_entries": self.layout.borrowed_entries,  # ranks kept in another layer's empty cells
             "policy": self.policy,
             "keep_fraction": self.keep_fraction,
             "protected_prefix_len": self.protected_prefix_len,
@@ -119,4 +127,4 @@ class ContextStore:
         del self.contexts[self.key_of(context.context_ids, context.settings)]
 
     def slots_held(self) -> int:
-        return sum(c.k_max for c in self.contexts.values())
+        return sum(c.num_slots for c in self.contexts.values())
