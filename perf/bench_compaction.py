@@ -6,7 +6,8 @@ Prints one JSON object. All ratios are measured in one run (these machines are n
 prefill time of the context (a plain request of the same length), then per policy the
 server-side time to read signals, score+select and compact, as fractions of that prefill;
 bytes moved by the compaction copy; bytes freed versus the theoretical (1 - p) of the
-context's attention KV; and how many compacted sessions fit in the pool versus uncompacted.
+context's attention KV; the time of one child on the compacted context (16-token question,
+32 tokens out); and how many compacted sessions fit in the pool versus uncompacted.
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ def main() -> None:
             r.raise_for_status()
             return time.perf_counter() - t0
 
+        def child(ids, policy):
+            # A child on the compacted context: a 16-token question, 32 greedy tokens (per-layer budgets
+            # send its attention through the masked path; flat ones through the backend's own).
+            question = [7 + (i % 50) for i in range(16)]
+            t0 = time.perf_counter()
+            r = requests.post(url + "/generate", json={"input_ids": ids + question, "sampling_params": {
+                "max_new_tokens": 32, "min_new_tokens": 32, "temperature": 0,
+                "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}}, timeout=600)
+            r.raise_for_status()
+            return time.perf_counter() - t0
+
         prefill(context_ids(n, 999), {"compact": False})  # warm-up
         prefill_s = min(prefill(context_ids(n, 1000 + i), {"compact": False}) for i in range(2))
         server.flush()
@@ -83,6 +95,9 @@ def main() -> None:
                 "freed_vs_theoretical": round(freed_tokens / ((1 - p) * n), 4),
                 "pool_free_delta_tokens": before - stats["kv_pool_free_tokens"],
                 "kept_entries": entry["kept_entries"],
+                "slots": entry["slots"],
+                "folded_entries": entry["folded_entries"],
+                "child_s": round(child(context_ids(n, i), policy), 4),
             }
         result["policies"] = per_policy
         server.flush()
