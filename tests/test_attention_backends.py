@@ -22,7 +22,7 @@ from sglang_kvx.compact.attention import (
 )
 from sglang_kvx.serve.launcher import ServerProcess
 
-from test_compaction_e2e import GREEDY, kvx, text
+from test_compaction_e2e import GREEDY, compact, kvx, text
 
 
 class _Backend:
@@ -68,9 +68,9 @@ def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, refere
                            "--attention-backend", "torch_native", "--context-length", "4096",
                            max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
     with server:
-        for policy in ("gatesight", "pyramidkv"):
-            response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **kvx(policy, 0.2)}})
-            assert response.status_code == 200, response.text
+        # GateSight's gate budgets, PyramidKV's, and KVzip's scores under PyramidKV budgets (folded after its second pass).
+        for policy, allocation in (("gatesight", None), ("pyramidkv", None), ("kvzip", "pyramidkv")):
+            compact(server, context, policy, 0.2, allocation=allocation)
             entries = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
             (entry,) = [e for e in entries if e["policy"] == policy]
             keep = [torch.tensor(layer) for layer in entry["positions"]]
@@ -78,7 +78,7 @@ def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, refere
             assert len(set(kept)) > 1, kept  # the layers keep different numbers: the masked path runs
             for question in questions:
                 response = server.generate({"input_ids": context + question, "return_logprob": True, "sampling_params": {
-                    **GREEDY, "max_new_tokens": 8, **kvx(policy, 0.2)}})
+                    **GREEDY, "max_new_tokens": 8, **kvx(policy, 0.2, allocation=allocation)}})
                 assert response.status_code == 200, response.text
                 body = response.json()
                 expected_ids, expected_lp = ref.compacted_generate(context, keep, question, 8)
@@ -88,4 +88,4 @@ def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, refere
                 # The layers are folded: the context holds the mean of the per-layer counts, not the largest.
                 assert body["meta_info"]["cached_tokens"] == entry["slots"] == -(-sum(kept) // len(kept)) < max(kept)
         stats = server.stats()
-    assert sorted(c["reuse_count"] for c in stats["compacted_contexts"]) == [2, 2]
+    assert sorted(c["reuse_count"] for c in stats["compacted_contexts"]) == [2, 2, 2]

@@ -45,8 +45,9 @@ def text(n_words: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words)) + "\n"
 
 
-def kvx(policy: str, keep_fraction: float, protected: int = 0) -> dict:
-    return {"custom_params": {"kvx": {"policy": policy, "keep_fraction": keep_fraction, "protected_prefix_len": protected}}}
+def kvx(policy: str, keep_fraction: float, protected: int = 0, allocation: str | None = None) -> dict:
+    params = {"policy": policy, "keep_fraction": keep_fraction, "protected_prefix_len": protected}
+    return {"custom_params": {"kvx": params if allocation is None else {**params, "allocation": allocation}}}
 
 
 def generate(server, input_ids, max_new_tokens, **extra) -> dict:
@@ -58,8 +59,8 @@ def generate(server, input_ids, max_new_tokens, **extra) -> dict:
     return response.json()
 
 
-def compact(server, context, policy, keep_fraction, protected=0) -> dict:
-    body = generate(server, context, 0, sampling=kvx(policy, keep_fraction, protected))
+def compact(server, context, policy, keep_fraction, protected=0, allocation=None) -> dict:
+    body = generate(server, context, 0, sampling=kvx(policy, keep_fraction, protected, allocation))
     if policy == "kvzip":  # compacted once its reconstruction passes (internal requests) are done
         deadline = time.monotonic() + 120
         while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
@@ -139,8 +140,8 @@ def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, kee
     assert body["output_ids"] == expected_ids, f"{name} {policy} p={keep_fraction}"
     served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
-    # The child read the compacted prefix: its cached tokens are the rank slots, not the context.
-    # The child's prefix is the context's slots: the mean of the per-layer counts (layers folded).
+    # The child read the compacted prefix: its cached tokens are the rank slots, not the context,
+    # as many as the mean of the per-layer counts (layers folded).
     kept = offline.kept_per_layer
     assert body["meta_info"]["cached_tokens"] == -(-sum(kept) // len(kept))
     # ... and compaction changed what the model saw (the check can fail when it does nothing).

@@ -25,6 +25,8 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_kvx.ops.prefix_attention import prefix_cells_attention
+
 
 
 class PrefixCells(NamedTuple):
@@ -109,11 +111,11 @@ KvxTorchNativeAttnBackend = per_layer_lengths_class(TorchNativeAttnBackend)
 
 
 def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked, decode: bool, **kwargs):
-    """Exact attention for every row of the batch, row by row; a row in ``masked`` reads, in this
-    layer, only its own ranks of the compacted prefix plus the cells it borrowed from other
-    layers' buffers. Reads the pool the same way as the backend: row slots from
-    ``req_to_token``; keys cached after RoPE (a borrowed cell holds this layer's raw bytes,
-    so this layer's scales apply)."""
+    """Exact attention for every row of the batch; a row in ``masked`` reads, in this layer, only
+    its own ranks of the compacted prefix plus the cells it borrowed from other layers' buffers.
+    Reads the pool the same way as the backend: row slots from ``req_to_token``; keys cached
+    after RoPE (a borrowed cell holds this layer's raw bytes, so this layer's scales apply).
+    The op (``ops/prefix_attention.py``) runs a Triton kernel on CUDA, its torch reference elsewhere."""
     unsupported = sorted(name for name, value in kwargs.items() if value is not None)
     if unsupported:
         raise NotImplementedError(f"per-layer compacted lengths with attention options {unsupported}")
@@ -125,38 +127,27 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
     num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-    q = q.reshape(-1, num_heads, head_dim)
-    out = q.new_empty((q.shape[0], num_heads, layer.v_head_dim))
     k_cache = pool.get_key_buffer(layer.layer_id)
     v_cache = pool.get_value_buffer(layer.layer_id)
-    k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
-    v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    device = q.device
-    seq_lens = forward_batch.seq_lens.tolist()
-    q_lens = [1] * len(seq_lens) if decode else forward_batch.extend_seq_lens.tolist()
-    start = 0
-    for i, (row, seq_len, q_len) in enumerate(zip(forward_batch.req_pool_indices.tolist(), seq_lens, q_lens)):
-        slots = req_to_token[row, :seq_len].to(torch.long)
-        keys, values = k_cache[slots], v_cache[slots]  # [seq_len, kv_heads, D]
-        # Causal over the row: query t sits at row index seq_len - q_len + t.
-        columns = torch.arange(seq_len, device=device)[None, :]
-        visible = columns <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
-        cells = masked.get(i)
-        if cells is not None:
-            visible[:, cells.own : cells.num_slots] = False  # ranks this layer does not keep here
-            if cells.borrowed:  # its further ranks, visible to every query of the row
-                keys = torch.cat([keys, *(pool.get_key_buffer(lid)[at] for lid, at in cells.borrowed)])
-                values = torch.cat([values, *(pool.get_value_buffer(lid)[at] for lid, at in cells.borrowed)])
-                extra = keys.shape[0] - seq_len
-                visible = torch.cat([visible, visible.new_ones((q_len, extra))], dim=1)
-        keys = keys.transpose(0, 1).float() * k_scale  # [kv_heads, S, D]
-        values = values.transpose(0, 1).float() * v_scale
-        group = num_heads // keys.shape[0]
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-        query = q[start : start + q_len].transpose(0, 1).float()  # [H, T, D]
-        logits = query @ keys.transpose(1, 2) * layer.scaling  # [H, T, S]
-        logits = logits.masked_fill(~visible, float("-inf"))
-        out[start : start + q_len] = (logits.softmax(-1) @ values).transpose(0, 1).to(out.dtype)
-        start += q_len
+    rows = forward_batch.req_pool_indices
+    batch = rows.numel()
+    q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
+    hidden = torch.zeros((2, batch), dtype=torch.long)
+    extra_k, extra_v, extra_counts = [], [], [0] * batch
+    for i, cells in masked.items():
+        hidden[0, i], hidden[1, i] = cells.own, cells.num_slots  # ranks this layer does not keep here
+        for layer_id, at in cells.borrowed:  # its further ranks, in other layers' buffers
+            extra_k.append(pool.get_key_buffer(layer_id)[at])
+            extra_v.append(pool.get_value_buffer(layer_id)[at])
+            extra_counts[i] += at.numel()
+    extra_indptr = torch.tensor([0] + extra_counts).cumsum(0).to(rows.device)
+    hidden = hidden.to(rows.device)
+    out = prefix_cells_attention(
+        q.reshape(-1, num_heads, head_dim), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
+        rows, forward_batch.seq_lens, q_lens, hidden[0], hidden[1],
+        torch.cat(extra_k) if extra_k else k_cache[:0], torch.cat(extra_v) if extra_v else v_cache[:0], extra_indptr,
+        scaling=layer.scaling,
+        k_scale=1.0 if layer.k_scale is None else float(layer.k_scale),
+        v_scale=1.0 if layer.v_scale is None else float(layer.v_scale),
+    )
     return out.reshape(-1, num_heads * layer.v_head_dim)

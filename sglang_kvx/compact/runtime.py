@@ -41,6 +41,7 @@ from sglang_kvx.compact.layout import PrefixLayout, fold_layers
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
 from sglang_kvx.compact.second_pass import KVzipSecondPass
+from sglang_kvx.ops.compaction import compact_gather
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -517,12 +518,12 @@ class KvxRuntime:
         into ``slots`` as ``layout`` places them. Every kept entry is read before anything is
         written (a folded layer writes into another layer's buffer), so ``slots`` may be the
         first S of ``row`` itself."""
-        heads = torch.arange(self.num_kv_heads, device=row.device)[:, None]
         kept = []
         for layer, layer_id in enumerate(self.attention_layer_ids):
-            source = row[keep.positions[layer].to(row.device)]  # [kv_heads, K_l]: the context's slots, per head
-            kept.append((self.kv_pool.get_key_buffer(layer_id)[source, heads].transpose(0, 1),  # [K_l, kv_heads, D]
-                         self.kv_pool.get_value_buffer(layer_id)[source, heads].transpose(0, 1)))
+            positions = keep.positions[layer]  # [kv_heads, K_l]
+            keys = compact_gather(self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1), positions)
+            values = compact_gather(self.kv_pool.get_value_buffer(layer_id)[row].transpose(0, 1), positions)
+            kept.append((keys.transpose(0, 1), values.transpose(0, 1)))  # [K_l, kv_heads, D]: pool layout
         for layer, (keys, values) in enumerate(kept):
             cells = layout.layers[layer]
             pieces = [(layer, 0, cells.own)] + [(b.layer, b.start, b.end) for b in cells.borrowed]
