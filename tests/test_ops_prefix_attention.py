@@ -7,6 +7,7 @@ reference under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,13 @@ def test_bad_shapes_and_cpu_triton_are_refused(monkeypatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="CUDA"):
         prefix_cells_attention(**case, impl="triton")
+
+
+def test_the_gpu_check_script_runs_its_smoke_sizes_under_the_interpreter() -> None:
+    """perf/gpu_check.py is what a session with a lent GPU runs first; keep it runnable."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "perf/gpu_check.py", "--smoke"], env=env, capture_output=True,
+                            text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    checks = json.loads(result.stdout)["checks"]
+    assert len(checks) == 2 and all(c["max_abs_err"] < 1e-4 for c in checks), checks

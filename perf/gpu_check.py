@@ -1,0 +1,120 @@
+"""The kernel layer on a GPU: every Triton kernel against its torch reference, with timings.
+
+    python3 perf/gpu_check.py                               # a CUDA machine; needs only torch and triton
+    TRITON_INTERPRET=1 python perf/gpu_check.py --smoke     # tiny sizes on CPU (the test suite runs this)
+
+Prints one JSON object: per op and case the largest absolute difference from the torch
+reference and, on CUDA, the median time of the Triton kernel and of the reference (ratios
+within one run). Written to be the one short script a session with a lent GPU runs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, without installing it
+
+from sglang_kvx.ops.gatesight import mlp_utility  # noqa: E402
+from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float | None]:
+    out = fn()
+    if device.type != "cuda":
+        return out, None
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+def prefix_case(batch: int, seq_len: int, q_len: int, prefix: int, hidden: int, extras: int,
+                heads: int, kv_heads: int, dim: int, dtype: torch.dtype, seed: int) -> dict:
+    """Children of one folded context: rows of ``seq_len`` slots whose first ``prefix`` are the
+    context's; the layer hides the last ``hidden`` of them and borrows ``extras`` entries."""
+    g = torch.Generator().manual_seed(seed)
+    pool = batch * seq_len + prefix
+    shared = torch.arange(prefix)
+    own = torch.randperm(pool - prefix, generator=g) + prefix
+    rows = [torch.cat([shared, own[b * (seq_len - prefix) : (b + 1) * (seq_len - prefix)]]) for b in range(batch)]
+    return dict(
+        q=torch.randn(batch * q_len, heads, dim, generator=g).to(dtype),
+        k_cache=torch.randn(pool, kv_heads, dim, generator=g).to(dtype),
+        v_cache=torch.randn(pool, kv_heads, dim, generator=g).to(dtype),
+        req_to_token=torch.stack(rows).to(torch.int32),
+        rows=torch.arange(batch), seq_lens=torch.full((batch,), seq_len), q_lens=torch.full((batch,), q_len),
+        hidden_from=torch.full((batch,), prefix - hidden), hidden_to=torch.full((batch,), prefix),
+        extra_k=torch.randn(batch * extras, kv_heads, dim, generator=g).to(dtype),
+        extra_v=torch.randn(batch * extras, kv_heads, dim, generator=g).to(dtype),
+        extra_indptr=torch.arange(batch + 1) * extras,
+        scaling=dim ** -0.5,
+    )
+
+
+def check_prefix_attention(name: str, device: torch.device, repeats: int, **shape) -> dict:
+    case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prefix_case(**shape).items()}
+    got, triton_s = timed(lambda: prefix_cells_attention(**case, impl="triton"), device, repeats)
+    want, torch_s = timed(lambda: prefix_cells_attention(**case, impl="torch"), device, repeats)
+    return {"case": name, **{k: v for k, v in shape.items() if k != "dtype"}, "dtype": str(shape["dtype"]),
+            "max_abs_err": float((got.float() - want.float()).abs().max()),
+            "triton_s": triton_s, "torch_reference_s": torch_s,
+            "speedup": round(torch_s / triton_s, 2) if triton_s else None}
+
+
+def check_mlp_utility(device: torch.device, repeats: int, n: int, layers: int = 2, heads: int = 2) -> dict:
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(layers, n, 75, generator=g).to(device)
+    w1 = (torch.randn(layers, heads, 75, 64, generator=g) / 8).to(device)
+    b1, w2 = torch.randn(layers, heads, 64, generator=g).to(device), torch.randn(layers, heads, 64, generator=g).to(device)
+    b2 = torch.randn(layers, heads, generator=g).to(device)
+    got, triton_s = timed(lambda: mlp_utility(features, w1, b1, w2, b2, impl="triton"), device, repeats)
+    want, torch_s = timed(lambda: mlp_utility(features, w1, b1, w2, b2, impl="torch"), device, repeats)
+    return {"case": f"gatesight_mlp n={n}", "max_abs_err": float((got - want).abs().max()),
+            "triton_s": triton_s, "torch_reference_s": torch_s,
+            "speedup": round(torch_s / triton_s, 2) if triton_s else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; run with --smoke and TRITON_INTERPRET=1 on a CPU")
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
+                    "torch": torch.__version__, "checks": []}
+    if args.smoke:
+        shapes = [("decode", dict(batch=3, seq_len=40, q_len=1, prefix=20, hidden=6, extras=5, heads=4, kv_heads=2,
+                                  dim=16, dtype=torch.float32, seed=1))]
+        result["checks"].append(check_mlp_utility(device, 0, n=70))
+    else:
+        # A folded 4K context at p = 0.1 (410 slots): a layer hiding 195 ranks or borrowing 195 entries;
+        # 64 children decoding, and 4 children prefilling a 64-token question.
+        common = dict(prefix=410, heads=32, kv_heads=8, dim=128, seed=1)
+        shapes = [
+            ("decode_bf16_hidden", dict(batch=64, seq_len=1024, q_len=1, hidden=195, extras=0, dtype=torch.bfloat16, **common)),
+            ("decode_bf16_borrowed", dict(batch=64, seq_len=1024, q_len=1, hidden=0, extras=195, dtype=torch.bfloat16, **common)),
+            ("decode_fp32_borrowed", dict(batch=16, seq_len=1024, q_len=1, hidden=0, extras=195, dtype=torch.float32, **common)),
+            ("extend_bf16_question", dict(batch=4, seq_len=474, q_len=64, hidden=195, extras=0, dtype=torch.bfloat16, **common)),
+        ]
+        for n in (4096, 16384):
+            result["checks"].append(check_mlp_utility(device, args.repeats, n=n))
+    for name, shape in shapes:
+        result["checks"].append(check_prefix_attention(name, device, 0 if args.smoke else args.repeats, **shape))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
