@@ -28,7 +28,6 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
 
 
-
 class PrefixCells(NamedTuple):
     """What one layer reads of a compacted prefix, where that differs from the row's first S slots."""
 

@@ -471,7 +471,7 @@ class KvxRuntime:
                            layout.num_slots, n)
             self.skipped_no_room += 1
             return None
-        self.gather_kept(row, slots, keep, layout)
+        self.gather_kept(signals, slots, keep, layout)
         snapshot = None
         if self.mamba_pool is not None:
             snapshot = self.mamba_pool.get_cpu_copy(self.mamba_slot(req))
@@ -513,16 +513,16 @@ class KvxRuntime:
             keys=keys, values=values, protected_prefix_len=protected,
         )
 
-    def gather_kept(self, row: torch.Tensor, slots: torch.Tensor, keep, layout: PrefixLayout) -> None:
-        """Copy each (layer, KV head)'s kept entries, in rank order, from the context's slots ``row``
-        into ``slots`` as ``layout`` places them. Every kept entry is read before anything is
-        written (a folded layer writes into another layer's buffer), so ``slots`` may be the
-        first S of ``row`` itself."""
+    def gather_kept(self, signals: ContextSignals, slots: torch.Tensor, keep, layout: PrefixLayout) -> None:
+        """Copy each (layer, KV head)'s kept entries, in rank order, into ``slots`` as ``layout``
+        places them. The entries come from the context's keys/values already read for scoring
+        (``read_signals``: float copies of the pool's values, so casting back is exact), hence
+        every kept entry is read before anything is written and ``slots`` may be the context's own."""
         kept = []
         for layer, layer_id in enumerate(self.attention_layer_ids):
             positions = keep.positions[layer]  # [kv_heads, K_l]
-            keys = compact_gather(self.kv_pool.get_key_buffer(layer_id)[row].transpose(0, 1), positions)
-            values = compact_gather(self.kv_pool.get_value_buffer(layer_id)[row].transpose(0, 1), positions)
+            keys = compact_gather(signals.keys[layer], positions).to(self.kv_pool.get_key_buffer(layer_id).dtype)
+            values = compact_gather(signals.values[layer], positions).to(self.kv_pool.get_value_buffer(layer_id).dtype)
             kept.append((keys.transpose(0, 1), values.transpose(0, 1)))  # [K_l, kv_heads, D]: pool layout
         for layer, (keys, values) in enumerate(kept):
             cells = layout.layers[layer]

@@ -198,7 +198,7 @@ class KVzipSecondPass:
         t1 = time.perf_counter()
         layout = fold_layers(keep.kept_per_layer, fold=self.rt.fold_layers)
         slots = held[: layout.num_slots].clone()
-        self.rt.gather_kept(held, slots, keep, layout)
+        self.rt.gather_kept(signals, slots, keep, layout)
         if layout.num_slots < len(held):
             self.rt.allocator.free(held[layout.num_slots :])
         context = CompactedContext(
