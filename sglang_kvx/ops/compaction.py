@@ -28,12 +28,19 @@ def topk_per_head(scores: torch.Tensor, k: int, protected: int) -> torch.Tensor:
         raise ValueError("scores contain NaN; a policy must give every entry a number")
     k = min(k, n - protected)
     prefix = torch.arange(protected, device=scores.device).expand(num_heads, protected)
-    # Sort the candidates newest-first so that the stable descending sort breaks ties toward recency.
-    candidates_newest_first = scores[:, protected:].flip(-1)
-    order = torch.sort(candidates_newest_first, dim=-1, descending=True, stable=True).indices[:, :k]
-    chosen = (n - 1) - order  # back to positions in the context
-    keep = torch.cat([prefix, chosen], dim=-1)
-    return torch.sort(keep, dim=-1).values
+    candidates = scores[:, protected:]
+    if k == 0:
+        return prefix.clone()
+    # No full sort: the k-th best score per head (topk is linear time), every entry above it, and
+    # of the entries tied with it the newest ones, as many as the budget has left.
+    kth = candidates.topk(k, dim=-1).values[:, -1:]
+    above = candidates > kth
+    tied = candidates == kth
+    ties_wanted = k - above.sum(dim=-1, keepdim=True)
+    ties_from_end = tied.flip(-1).cumsum(dim=-1).flip(-1)  # tied entries at this position or later
+    take = above | (tied & (ties_from_end <= ties_wanted))
+    chosen = take.nonzero()[:, 1].view(num_heads, k) + protected  # row-major: ascending per head
+    return torch.cat([prefix, chosen], dim=-1)
 
 
 def compact_gather(kv: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
