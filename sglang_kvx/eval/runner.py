@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval")
+    parser.add_argument("--estimator", default=None,
+                        help="GateSight estimator folder for the server this starts (default: the one shipped for the model)")
     args = parser.parse_args(argv)
+    if args.estimator and args.url:
+        parser.error("--estimator configures the server the runner starts; a running server (--url) has its own")
 
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
@@ -199,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         # KVzip's reconstruction pass re-reads the context after it: room for both.
         context_length = (2 if any(p.startswith("kvzip") for p in policies) else 1) * args.length + args.max_new_tokens + 128
         # The server's own policy is irrelevant: every request names its settings.
+        estimator = ("--kvx-estimator", args.estimator) if args.estimator else ()
         with ServerProcess(model_path, "--kvx-policy", policies[0].partition("@")[0] if policies else "random",
-                           "--context-length", str(context_length),
+                           "--context-length", str(context_length), *estimator,
                            max_total_tokens=max(16384, 16 * args.length)) as server:
             rows = run(server.url, AutoTokenizer.from_pretrained(model_path))
     out = Path(args.out)

@@ -105,6 +105,23 @@ def build_documents(ref, count: int, seed: int, tasks: tuple[str, ...], lengths:
     return docs
 
 
+def save_documents(path: str | Path, key: dict, train: list[Document], heldout: list[Document]) -> None:
+    as_dicts = lambda docs: [vars(d) for d in docs]  # noqa: E731
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "train": as_dicts(train), "heldout": as_dicts(heldout)}, path)
+
+
+def load_documents(path: str | Path, key: dict) -> tuple[list[Document], list[Document]] | None:
+    """The cached documents, or None (with the reason printed) when there are none for ``key``."""
+    if not Path(path).is_file():
+        return None
+    data = torch.load(path, weights_only=True)
+    if data.get("key") != key:
+        print(f"train_gatesight: {path} was labelled for other arguments; labelling again", file=sys.stderr)
+        return None
+    return [Document(**d) for d in data["train"]], [Document(**d) for d in data["heldout"]]
+
+
 # --- predictors --------------------------------------------------------------------
 
 
@@ -112,9 +129,20 @@ def _rows(docs: list[Document], layer: int, head: int) -> tuple[torch.Tensor, to
     return (torch.cat([d.features[layer] for d in docs]), torch.cat([d.labels[layer, head] for d in docs]))
 
 
+LOSSES = ("mse", "listwise")
+
+
 def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: int, lr: float = 3e-3,
-              batch: int = 4096, desc: str = "estimator") -> GateSightEstimator:
-    """Every (layer, head) MLP trained together (stacked weights), MSE on the utility labels."""
+              batch: int = 4096, desc: str = "estimator", loss: str = "mse") -> GateSightEstimator:
+    """Every (layer, head) MLP trained together (stacked weights).
+
+    ``mse``: squared error on the max-normalised utility labels, rows shuffled across documents.
+    ``listwise``: per document, layer and head, cross-entropy between the document's utility
+    distribution (labels / their sum) and the softmax of the predictions over its entries. Only a
+    head's ranking within one document matters for its top-K, and this loss scores exactly that;
+    MSE spends most of its effort on the many near-zero labels."""
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; choose from {LOSSES}")
     torch.manual_seed(seed)
     num_layers, num_heads = docs[0].labels.shape[:2]
     x = torch.stack([torch.cat([d.features[l] for d in docs]) for l in range(num_layers)])  # [L, N, F]
@@ -134,23 +162,36 @@ def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: in
     b2 = torch.zeros(num_layers, num_heads, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=lr)
+
+    def predict(idx):
+        hidden = torch.einsum("lnf,lhfu->lhnu", xs[:, idx], w1) + b1[:, :, None]
+        return torch.einsum("lhnu,lhu->lhn", hidden.relu(), w2) + b2[:, :, None]
+
     total = xs.shape[1]
-    steps = epochs * math.ceil(total / batch)
+    if loss == "mse":
+        batches = lambda: torch.randperm(total).split(batch)  # noqa: E731
+        steps = epochs * math.ceil(total / batch)
+    else:
+        bounds = torch.tensor([0] + [d.labels.shape[2] for d in docs]).cumsum(0)
+        spans = [torch.arange(int(bounds[i]), int(bounds[i + 1])) for i in range(len(docs))]
+        batches = lambda: [spans[i] for i in torch.randperm(len(spans)).tolist()]  # noqa: E731
+        steps = epochs * len(spans)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     bar = tqdm(total=steps, desc=desc, dynamic_ncols=True)
     for _ in range(epochs):
-        order = torch.randperm(total)
-        for start in range(0, total, batch):
-            idx = order[start : start + batch]
-            hidden = torch.einsum("lnf,lhfu->lhnu", xs[:, idx], w1) + b1[:, :, None]
-            pred = torch.einsum("lhnu,lhu->lhn", hidden.relu(), w2) + b2[:, :, None]
-            loss = (pred - y[:, :, idx]).pow(2).mean()
+        for idx in batches():
+            pred, target = predict(idx), y[:, :, idx]
+            if loss == "mse":
+                value = (pred - target).pow(2).mean()
+            else:  # one document: its utility distribution against the predictions' softmax
+                target = target / target.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+                value = -(target * pred.log_softmax(dim=-1)).sum(dim=-1).mean()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             optimizer.step()
             scheduler.step()
             bar.update()
-            bar.set_postfix(mse=f"{loss.item():.5f}")
+            bar.set_postfix({loss: f"{value.item():.5f}"})
     bar.close()
     return GateSightEstimator(w1=w1.detach(), b1=b1.detach(), w2=w2.detach(), b2=b2.detach(),
                               feature_mean=mean, feature_std=std)
@@ -246,7 +287,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     parser.add_argument("--questions", type=int, default=3, help="continuations (question + answer) per document")
     parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--loss", choices=LOSSES, default="mse", help="the estimator's training loss (train_mlp)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--docs-cache", default=None,
+                        help="file of labelled documents: reused when it was built with the same model and data "
+                             "arguments, else (re)built and written; labelling is most of the run")
     args = parser.parse_args(argv)
     from sglang_kvx.reference.hf import HFReference
 
@@ -255,12 +300,22 @@ def main(argv: list[str] | None = None) -> dict:
     ref = HFReference(args.model)
     tasks = tuple(t for t in args.tasks.split(",") if t)
     lengths = tuple(int(x) for x in args.lengths.split(","))
-    train_docs = build_documents(ref, args.train_docs, args.seed, tasks, lengths, args.questions, "label train docs")
-    heldout = build_documents(ref, args.heldout_docs, args.seed + 1, tasks, lengths, args.questions, "label held-out docs")
+    data_key = {"model_fingerprint": model_fingerprint(args.model), "train_docs": args.train_docs,
+                "heldout_docs": args.heldout_docs, "tasks": list(tasks), "lengths": list(lengths),
+                "questions": args.questions, "seed": args.seed}
+    cached = load_documents(args.docs_cache, data_key) if args.docs_cache else None
+    if cached is not None:
+        train_docs, heldout = cached
+    else:
+        train_docs = build_documents(ref, args.train_docs, args.seed, tasks, lengths, args.questions, "label train docs")
+        heldout = build_documents(ref, args.heldout_docs, args.seed + 1, tasks, lengths, args.questions, "label held-out docs")
+        if args.docs_cache:
+            save_documents(args.docs_cache, data_key, train_docs, heldout)
     gdn_heads = ref.model.config.linear_num_value_heads
     num_features = train_docs[0].features.shape[2]
-    estimator = train_mlp(train_docs, None, args.epochs, args.seed)
-    age_only = train_mlp(train_docs, slice(num_features - AGE_FEATURES, num_features), args.epochs, args.seed, desc="age-only")
+    estimator = train_mlp(train_docs, None, args.epochs, args.seed, loss=args.loss)
+    age_only = train_mlp(train_docs, slice(num_features - AGE_FEATURES, num_features), args.epochs, args.seed,
+                         desc="age-only", loss=args.loss)
     ridge = fit_ridge(train_docs)
     heuristic = choose_heuristic(train_docs, gdn_heads)
 
@@ -288,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
         "gdn_heads": gdn_heads,
         "gdn_window": GDN_WINDOW,
         "hidden_units": HIDDEN_UNITS,
+        "loss": args.loss,
         "features": "per preceding GDN layer and value head: beta, g, log||v||; then age/n, log1p(age)/log1p(n), log1p(pos)/log1p(n)",
         "heldout_report": report,
         "heldout_docs": len(heldout),
