@@ -1,14 +1,16 @@
 """Train GateSight's utility estimators for one hybrid model, and report how well they rank.
 
-    OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-deep --lengths 1024,2048 --train-docs 120 --heldout-docs 30
+    OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-deep \\
+        [--docs-cache runs/gatesight_docs.pt]   # about 30 minutes on one core, most of it labelling
 
 1. Documents: evaluation-suite sessions at training-only seeds (the suite evaluates seeds below
    1000; these start at 10**6), each a context and several questions with their answers.
 2. One HF forward per (context + question + answer) gives the context's GDN signals and output
    gates (features) and the continuation's queries, keys and values (labels: the closed-form
    leave-one-out change of the attention output, ``gatesight.labels``).
-3. Per (attention layer, KV head): a 64-unit MLP (the estimator), and for comparison ridge
-   regression, the best single signal (chosen on the training documents) and an age-only MLP.
+3. Per (attention layer, KV head): a 64-unit MLP (the estimator), trained with a listwise loss
+   (only the ranking within a document decides a top-K; see ``train_mlp``), and for comparison
+   ridge regression, the best single signal (chosen on the training documents) and an age-only MLP.
 4. Held-out documents: overlap@10% (share of the true top-10% entries a predictor's top-10%
    recovers) and utility-mass coverage (share of the document's utility its top-10% holds),
    per predictor; the estimator and its manifest (with this report) go to weights/gatesight/<model>/.
@@ -281,13 +283,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="weights/tiny-hybrid-deep", help="hybrid checkpoint to train estimators for")
     parser.add_argument("--out", default=None, help="estimator folder (default weights/gatesight/<model name>)")
-    parser.add_argument("--train-docs", type=int, default=120)
+    parser.add_argument("--train-docs", type=int, default=360)
     parser.add_argument("--heldout-docs", type=int, default=30)
     parser.add_argument("--lengths", default="1024,2048")
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     parser.add_argument("--questions", type=int, default=3, help="continuations (question + answer) per document")
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--loss", choices=LOSSES, default="mse", help="the estimator's training loss (train_mlp)")
+    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--loss", choices=LOSSES, default="listwise", help="the estimator's training loss (train_mlp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--docs-cache", default=None,
                         help="file of labelled documents: reused when it was built with the same model and data "
