@@ -135,11 +135,11 @@ LOSSES = ("mse", "listwise")
 
 
 def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: int, lr: float = 3e-3,
-              batch: int = 4096, desc: str = "estimator", loss: str = "mse") -> GateSightEstimator:
+              batch: int = 4096, desc: str = "estimator", loss: str = "listwise") -> GateSightEstimator:
     """Every (layer, head) MLP trained together (stacked weights).
 
-    ``mse``: squared error on the max-normalised utility labels, rows shuffled across documents.
-    ``listwise``: per document, layer and head, cross-entropy between the document's utility
+    ``mse``: squared error on the max-normalised utility labels, ``batch`` rows shuffled across documents.
+    ``listwise`` (the default): one document per step; per layer and head, cross-entropy between the document's utility
     distribution (labels / their sum) and the softmax of the predictions over its entries. Only a
     head's ranking within one document matters for its top-K, and this loss scores exactly that;
     MSE spends most of its effort on the many near-zero labels."""
