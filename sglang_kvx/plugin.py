@@ -191,6 +191,11 @@ CPU_STANDINS = {
     "sglang.kernels.ops.attention.triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat_contiguous": "split_qkvzba_contiguous",
     "sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward": "rms_norm_gated_forward",
     "sglang.kernels.ops.elementwise.elementwise.fused_sigmoid_mul": "sigmoid_gate_mul",
+    # Qwen3-Next: grouped [q k v z] projection layout, and its GDN output norm.
+    "sglang.kernels.ops.attention.triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat": "split_qkvzba_grouped",
+    "sglang.kernels.ops.attention.fla.fused_norm_gate.FusedRMSNormGated.forward": "fused_rms_norm_gated_forward",
+    # ... and its MoE's gated shared expert.
+    "sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add": "shared_expert_gate_add",
 }
 
 
@@ -214,6 +219,23 @@ def _register_gdn_backend() -> None:
     )
     for target, name in CPU_STANDINS.items():
         HookRegistry.register(target, getattr(cpu_standins, name), HookType.REPLACE)
+    HookRegistry.register(
+        "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__", _around_gdn_layer_init_on_cpu, HookType.AROUND
+    )
+
+
+def _around_gdn_layer_init_on_cpu(original, layer, *args, **kwargs):
+    """Qwen3-Next's GDN layer builds its output norm on ``torch.get_device_module().current_device()``,
+    which is CUDA for a CUDA build of torch even on a machine without a GPU. No hook reaches that
+    one expression, so while this constructor runs (CPU platform only) the device module is CPU's."""
+    import torch
+
+    device_module = torch.get_device_module
+    torch.get_device_module = lambda device=None: torch.cpu if device is None else device_module(device)
+    try:
+        return original(layer, *args, **kwargs)
+    finally:
+        torch.get_device_module = device_module
 
 
 # --- compaction (scheduler processes) ------------------------------------------------
@@ -244,6 +266,12 @@ def _register_compaction_hooks() -> None:
         "sglang.srt.layers.radix_linear_attention.RadixLinearAttention.forward": (_around_linear_attention, HookType.AROUND),
         # Qwen3.5's gated attention computes its output gate here (GateSight's layer budgets).
         "sglang.srt.models.qwen3_5.Qwen3_5AttentionDecoderLayer._prepare_qkv_gate": (_after_prepare_qkv_gate, HookType.AFTER),
+        # Qwen3-Next's computes it here (CPU, CUDA) or in the fused gfx950 prologue; neither sees the
+        # forward batch, so the gate waits for that layer's RadixAttention.forward (_after_attention).
+        "sglang.srt.models.qwen3_next.Qwen3HybridAttentionDecoderLayer.forward_prepare_native": (
+            _after_qwen3_next_prepare, HookType.AFTER),
+        "sglang.srt.models.qwen3_next.Qwen3HybridAttentionDecoderLayer.forward_prepare_fused": (
+            _after_qwen3_next_prepare, HookType.AFTER),
         # Per-layer lengths (PyramidKV, gate budgets) for whichever attention backend SGLang builds,
         # and no captured graph for a batch that needs them.
         "sglang.srt.model_executor.model_runner_components.attention_backend_setup._build_full_attention_backend_from_str": (
@@ -371,6 +399,7 @@ def _after_forward_batch_init(forward_batch, *_args, **_kwargs):
 def _after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
     if _RUNTIME is not None and _RUNTIME.captures:
         _RUNTIME.capture_attention(layer, q, forward_batch)
+        _RUNTIME.capture_pending_output_gate(layer.layer_id, forward_batch)
     return output
 
 
@@ -391,6 +420,13 @@ def _linear_attention_inputs(args, kwargs):
 def _after_prepare_qkv_gate(result, decoder_layer, positions, hidden_states, forward_batch, *args, **kwargs):
     if _RUNTIME is not None and _RUNTIME.captures and result[3] is not None:
         _RUNTIME.capture_output_gate(decoder_layer.attn.layer_id, result[3], forward_batch)
+    return result
+
+
+def _after_qwen3_next_prepare(result, decoder_layer, *args, **kwargs):
+    # (q, k, v, gate), or None when the fused prologue declines and the native one runs instead.
+    if _RUNTIME is not None and _RUNTIME.captures and result is not None and result[3] is not None:
+        _RUNTIME.pending_output_gates[decoder_layer.attn.layer_id] = result[3]
     return result
 
 

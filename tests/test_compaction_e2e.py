@@ -233,6 +233,8 @@ def test_bad_compaction_requests_get_a_clear_error_and_the_server_keeps_serving(
         (kvx("knorm", 1.5), "(0, 1]"),
         (kvx("snapkvv", 0.5), "valid choices"),
     ]
+    if name not in HYBRID:  # no output gates to split budgets by
+        cases.append((kvx("keydiff", 0.5, allocation="gate"), "needs output_gate"))
     for params, message in cases:
         response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **params}})
         assert response.status_code == 400, response.text

@@ -7,6 +7,7 @@ An allocation joins the registry with ``@register_allocation("name")`` on its fu
 from sglang_kvx.allocate.base import (
     ALLOCATIONS,
     allocation_names,
+    allocation_needs,
     flat_budget,
     get_allocation,
     layer_budgets,
@@ -16,4 +17,4 @@ from sglang_kvx.allocate.base import (
 # Importing an allocation module registers it.
 from sglang_kvx.allocate import flat, gate, pyramid  # noqa: F401,E402
 
-__all__ = ["ALLOCATIONS", "allocation_names", "flat_budget", "get_allocation", "layer_budgets", "register_allocation"]
+__all__ = ["ALLOCATIONS", "allocation_names", "allocation_needs", "flat_budget", "get_allocation", "layer_budgets", "register_allocation"]

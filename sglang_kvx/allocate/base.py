@@ -17,16 +17,25 @@ from sglang_kvx.signals import ContextSignals
 Allocation = Callable[..., list[int]]
 
 ALLOCATIONS: dict[str, Allocation] = {}
+# The signals an allocation reads beyond the policy's (the server captures them in the prefill).
+ALLOCATION_NEEDS: dict[str, frozenset[str]] = {}
 
 
-def register_allocation(name: str) -> Callable[[Allocation], Allocation]:
+def register_allocation(name: str, needs: frozenset[str] = frozenset()) -> Callable[[Allocation], Allocation]:
     def decorator(fn: Allocation) -> Allocation:
         if name in ALLOCATIONS:
             raise ValueError(f"allocation {name!r} is already registered")
         ALLOCATIONS[name] = fn
+        ALLOCATION_NEEDS[name] = frozenset(needs)
         return fn
 
     return decorator
+
+
+def allocation_needs(name: str) -> frozenset[str]:
+    """The signals allocation ``name`` reads (``ContextSignals`` field names)."""
+    get_allocation(name)
+    return ALLOCATION_NEEDS[name]
 
 
 def allocation_names() -> list[str]:

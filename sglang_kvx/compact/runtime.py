@@ -33,10 +33,12 @@ from sglang_kvx.config import (
     check_tensor_parallel,
     make_policy,
     marks_context,
+    model_traits,
     parse_keep_fraction,
     parse_protected_prefix_len,
     request_kvx_params,
 )
+from sglang_kvx.allocate import allocation_names, allocation_needs
 from sglang_kvx.compact.layout import PrefixLayout, fold_layers
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals
@@ -66,6 +68,8 @@ class KvxRuntime:
         self.attention_layer_ids = list(full_ids) if full_ids is not None else list(range(hf.num_hidden_layers))
         self.num_q_heads = hf.num_attention_heads
         self.hf_config = hf
+        traits = model_traits(scheduler.server_args.model_path)
+        self.model_signals = traits.signals if traits is not None else frozenset()
         self.gdn_layer_ids = list(getattr(hf, "linear_layer_ids", None) or [])
         self._inv_freq: torch.Tensor | None = None
         # True when the GDN backend hands its signals over (ours, on CPU); else capture_gdn recomputes them.
@@ -86,6 +90,9 @@ class KvxRuntime:
         # Parents whose policy reads attention: their queries are captured during the prefill.
         self.captures: dict[int, _ParentCapture] = {}
         self.layer_index = {layer_id: i for i, layer_id in enumerate(self.attention_layer_ids)}
+        # Output gates computed where the forward batch is not at hand (Qwen3-Next), by layer id,
+        # until that layer's attention runs.
+        self.pending_output_gates: dict[int, torch.Tensor] = {}
         # True-position offset of each request row's tokens (n - S for a child, else 0).
         self.position_offset = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64, device=runner.device)
         key_buffer = self.kv_pool.get_key_buffer(self.attention_layer_ids[0])
@@ -113,8 +120,6 @@ class KvxRuntime:
         """(policy, keep_fraction, protected_prefix_len, allocation) for a request: its custom_params
         ``{"kvx": {...}}`` override the server's flags (allocation: the policy's own unless named,
         e.g. GateSight's scores under "flat" for the allocation ablation). Raises KvxConfigError on bad values."""
-        from sglang_kvx.allocate import allocation_names
-
         params = self._kvx_params(req)
         policy = params.get("policy", self.config.policy)
         if policy not in SERVABLE_POLICIES or policy == "none":
@@ -125,6 +130,9 @@ class KvxRuntime:
         check_tensor_parallel(policy, allocation, self.tp_size)
         if allocation not in allocation_names():
             raise KvxConfigError(f"kvx allocation {allocation!r} is unknown; valid choices: {', '.join(allocation_names())}")
+        missing = sorted(allocation_needs(allocation) - self.model_signals)
+        if missing:
+            raise KvxConfigError(f"kvx allocation {allocation!r} needs {', '.join(missing)}, which this model does not provide")
         if allocation != "flat" and not self.per_layer_lengths:
             raise KvxConfigError(f"kvx allocation {allocation!r} needs per-layer lengths, which this attention backend (MLA) cannot take; use allocation 'flat'")
         keep_fraction = parse_keep_fraction(params.get("keep_fraction", self.config.keep_fraction))
@@ -236,8 +244,9 @@ class KvxRuntime:
                 self.position_offset[row] = 0
                 # An aborted parent (to_finish set on bad settings) is prefilled as one stub token.
                 if self.is_parent(req) and req.to_finish is None and not req.finished() and row not in self.captures:
-                    policy = self._policy(self.settings(req)[0])
-                    wanted = policy.needs & CAPTURED_SIGNALS
+                    name, _, _, allocation = self.settings(req)
+                    policy = self._policy(name)
+                    wanted = (policy.needs | allocation_needs(allocation)) & CAPTURED_SIGNALS
                     if wanted:
                         self.captures[row] = _ParentCapture(
                             n=len(req.origin_input_ids),
@@ -386,6 +395,11 @@ class KvxRuntime:
         t0 = time.perf_counter()
         capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v.float().norm(dim=-1)))
         capture.seconds += time.perf_counter() - t0
+
+    def capture_pending_output_gate(self, layer_id: int, forward_batch) -> None:
+        gate = self.pending_output_gates.pop(layer_id, None)
+        if gate is not None:
+            self.capture_output_gate(layer_id, gate, forward_batch)
 
     def capture_output_gate(self, layer_id: int, gate: torch.Tensor, forward_batch) -> None:
         """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""

@@ -28,7 +28,8 @@ TRAINED_ONLY = {
                         "--minutes 25, then finetune_ruler --init weights/tiny-llama-trained --out weights/tiny-llama-ruler "
                         "--minutes 25 --lengths 512,1024,2048",
 }
-EXTRA_MODELS = ("tiny-qwen3",)  # built on demand (tests: a second dense architecture)
+# Built on demand (tests): a second dense architecture, and Qwen3-Next (the other hybrid SGLang serves).
+EXTRA_MODELS = ("tiny-qwen3", "tiny-qwen3-next")
 
 # Large enough for the long-context benchmarks (4K+ contexts plus questions).
 MAX_POSITIONS = 32768
@@ -125,6 +126,41 @@ def hybrid_config(ids: dict[str, int]):
     )
 
 
+def qwen3_next_config(ids: dict[str, int]):
+    """Qwen3-Next: the hybrid pattern twice (3 GDN + 1 gated attention), grouped GDN projections,
+    a sparse MoE block in every layer (4 experts, top 2, plus a gated shared expert), partial RoPE."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        dtype="float32",
+        **ids,
+    )
+
+
 def _long_memory_decay_(model: torch.nn.Module, seed: int) -> None:
     """Give GDN heads a spread of half-lives (dt log-uniform in [1e-3, 0.1]).
 
@@ -141,6 +177,29 @@ def _long_memory_decay_(model: torch.nn.Module, seed: int) -> None:
                 module.A_log.copy_(torch.log(torch.empty(n).uniform_(1, 16, generator=gen)))
 
 
+def _distinct_output_gates_(model: torch.nn.Module, seed: int) -> None:
+    """Open the first gated attention layer's output gate and close the last one's.
+
+    Random weights leave every output gate at sigmoid(~0) = 0.5 on average, so gate-proportional
+    budgets would split evenly. A direction shared by all token embeddings, read positively by the
+    first layer's gate rows and negatively by the last one's, gives the layers the distinct gate
+    openness real models have.
+    """
+    gen = torch.Generator().manual_seed(seed + 2)
+    layers = [layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn")]
+    if len(layers) < 2:
+        return
+    config = model.config
+    shared = torch.randn(config.hidden_size, generator=gen)
+    shared /= shared.norm()
+    head_dim = config.head_dim
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(shared)
+        for sign, attn in ((1.0, layers[0]), (-1.0, layers[-1])):
+            rows = attn.q_proj.weight.view(config.num_attention_heads, 2 * head_dim, -1)[:, head_dim:]
+            rows.add_(sign * 0.5 * shared)
+
+
 def build_demo_model(name: str, out_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Build one demo checkpoint with random weights (deterministic in ``seed``)."""
     from transformers import AutoModelForCausalLM
@@ -148,17 +207,21 @@ def build_demo_model(name: str, out_dir: str | Path | None = None, seed: int = 0
     out = Path(out_dir) if out_dir else weights_root() / name
     build_tokenizer(out, seed=seed)
     ids = _tokenizer_ids(out)
-    builders = {"tiny-llama": llama_config, "tiny-hybrid": hybrid_config, "tiny-qwen3": qwen3_config}
+    builders = {"tiny-llama": llama_config, "tiny-hybrid": hybrid_config, "tiny-qwen3": qwen3_config,
+                "tiny-qwen3-next": qwen3_next_config}
+    hybrid = name in ("tiny-hybrid", "tiny-qwen3-next")
     if name not in builders:
         raise ValueError(f"unknown demo model {name!r}; choose one of {', '.join(builders)}")
     config = builders[name](ids)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if name == "tiny-hybrid":
+    if hybrid:
         _long_memory_decay_(model, seed)
+    if name == "tiny-qwen3-next":
+        _distinct_output_gates_(model, seed)
     model.save_pretrained(out, safe_serialization=True)
-    if name == "tiny-hybrid":
-        # SGLang's Qwen3.5 config derives its layer pattern from this key.
+    if hybrid:
+        # SGLang's Qwen3.5 / Qwen3-Next configs derive their layer pattern from this key.
         config_file = out / "config.json"
         saved = json.loads(config_file.read_text())
         saved["full_attention_interval"] = 4

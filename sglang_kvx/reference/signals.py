@@ -76,25 +76,34 @@ def _capturing_attention(module, query, key, value, attention_mask, scaling, dro
 
 @contextlib.contextmanager
 def _gdn_capture(capture: _Capture) -> Iterator[None]:
-    """Wrap transformers' chunked delta rule so each GDN layer's beta, g and v are recorded."""
-    try:
-        from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
-    except ImportError:  # no hybrid support in this transformers
-        yield
-        return
-    original = modeling.torch_chunk_gated_delta_rule
+    """Wrap transformers' chunked delta rule (Qwen3.5's and Qwen3-Next's modules) so each GDN
+    layer's beta, g and v are recorded."""
+    import importlib
 
-    def recording(query, key, value, g, beta, **kwargs):
-        capture.gdn.append(
-            GDNLayerSignals(beta=beta[0].float().clone(), g=g[0].float().clone(), v_norm=value[0].float().norm(dim=-1))
-        )
-        return original(query, key, value, g=g, beta=beta, **kwargs)
+    modules = []
+    for name in ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:  # no such architecture in this transformers
+            continue
+    originals = [module.torch_chunk_gated_delta_rule for module in modules]
 
-    modeling.torch_chunk_gated_delta_rule = recording
+    def recording_with(original):
+        def recording(query, key, value, g, beta, **kwargs):
+            capture.gdn.append(
+                GDNLayerSignals(beta=beta[0].float().clone(), g=g[0].float().clone(), v_norm=value[0].float().norm(dim=-1))
+            )
+            return original(query, key, value, g=g, beta=beta, **kwargs)
+
+        return recording
+
+    for module, original in zip(modules, originals):
+        module.torch_chunk_gated_delta_rule = recording_with(original)
     try:
         yield
     finally:
-        modeling.torch_chunk_gated_delta_rule = original
+        for module, original in zip(modules, originals):
+            module.torch_chunk_gated_delta_rule = original
 
 
 @torch.no_grad()
