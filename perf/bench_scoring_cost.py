@@ -4,7 +4,7 @@
 
 Prints one JSON object; every ratio is measured within one run.
 - GateSight (real server): per context length, the plain prefill time of the context (min of two
-  runs, compaction off) against the parent's GateSight work: signal capture inside the forward,
+  runs, compaction off) against the parent's GateSight work (the cheaper of two parents): signal capture inside the forward,
   feature building + the batched estimator op + selection, and the compaction copy.
 - KVzip (HF transformers, the offline producer): time of its context-reconstruction second pass
   against the HF prefill of the same context. Both sides run in HF, so the ratio compares like
@@ -53,15 +53,22 @@ def gatesight_costs(model: str, contexts: list[int], keep_fraction: float) -> di
                 t0 = time.perf_counter()
                 prefill(context_ids(n, 100 + i), {"compact": False})
                 times.append(time.perf_counter() - t0)
-            server.flush()
-            prefill(context_ids(n, 200), {"policy": "gatesight", "keep_fraction": keep_fraction})
-            entry = [c for c in server.stats()["compacted_contexts"] if c["context_tokens"] == n][0]
+            # GateSight's side, like the prefill's, is the better of two runs (another context each).
+            runs = []
+            for i in range(2):
+                server.flush()
+                prefill(context_ids(n, 200 + i), {"policy": "gatesight", "keep_fraction": keep_fraction})
+                runs.append([c for c in server.stats()["compacted_contexts"] if c["context_tokens"] == n][0])
+            def scoring_s(entry: dict) -> float:
+                return sum(entry["timings"][k] for k in ("capture_s", "signals_s", "score_select_s"))
+            entry = min(runs, key=scoring_s)
             t = entry["timings"]
             prefill_s = min(times)
-            scoring = t["capture_s"] + t["signals_s"] + t["score_select_s"]
+            scoring = scoring_s(entry)
             out[str(n)] = {
                 "prefill_s": round(prefill_s, 4),
                 "capture_s": round(t["capture_s"], 4),
+                "signals_s": round(t["signals_s"], 4),
                 "score_select_s": round(t["score_select_s"], 4),
                 "compact_s": round(t["compact_s"], 4),
                 "scoring_frac_of_prefill": round(scoring / prefill_s, 4),

@@ -393,7 +393,9 @@ class KvxRuntime:
         if capture is None or "gdn" not in capture.signals:
             return
         t0 = time.perf_counter()
-        capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), v.float().norm(dim=-1)))
+        v = v.float()
+        # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
+        capture.add(capture.gdn, layer.layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
         capture.seconds += time.perf_counter() - t0
 
     def capture_pending_output_gate(self, layer_id: int, forward_batch) -> None:
@@ -410,9 +412,9 @@ class KvxRuntime:
             if "output_gate" in capture.signals:
                 t0 = time.perf_counter()
                 per_head = gate[start : start + length].reshape(length, self.num_q_heads, -1)
-                # The gate is a strided view into the fused projection: a contiguous copy first makes the
-                # sigmoid about 2x cheaper on CPU.
-                capture.add(capture.gates, layer_index, torch.sigmoid(per_head.contiguous().float()).mean(dim=-1))
+                # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
+                # in place (a contiguous copy first costs ~1.5x at 4K on one core).
+                capture.add(capture.gates, layer_index, torch.sigmoid(per_head.float()).mean(dim=-1))
                 capture.seconds += time.perf_counter() - t0
 
     def rope_inv_freq(self) -> torch.Tensor:
