@@ -98,16 +98,14 @@ def qwen3_config(ids: dict[str, int]):
     return _dense_config(Qwen3Config, 2, ids)
 
 
-def hybrid_config(ids: dict[str, int]):
-    """Qwen3.5 text architecture: three Gated-DeltaNet layers, then one gated full-attention layer."""
-    from transformers import Qwen3_5TextConfig
-
-    return Qwen3_5TextConfig(
+def _hybrid_shape(ids: dict[str, int], blocks: int) -> dict:
+    """The tiny hybrid shape both hybrid architectures share: ``blocks`` x (3 GDN + 1 gated attention)."""
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=4 * blocks,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * blocks,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -117,47 +115,39 @@ def hybrid_config(ids: dict[str, int]):
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         max_position_embeddings=MAX_POSITIONS,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
         initializer_range=INIT_STD,
         dtype="float32",
         **ids,
     )
 
 
+def hybrid_config(ids: dict[str, int]):
+    """Qwen3.5 text architecture: three Gated-DeltaNet layers, then one gated full-attention layer."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        **_hybrid_shape(ids, blocks=1),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+    )
+
+
 def qwen3_next_config(ids: dict[str, int]):
-    """Qwen3-Next: the hybrid pattern twice (3 GDN + 1 gated attention), grouped GDN projections,
-    a sparse MoE block in every layer (4 experts, top 2, plus a gated shared expert), partial RoPE."""
+    """Qwen3-Next: the hybrid pattern twice, grouped GDN projections, a sparse MoE block in every
+    layer (4 experts, top 2, plus a gated shared expert), partial RoPE."""
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        **_hybrid_shape(ids, blocks=2),
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         decoder_sparse_step=1,
         norm_topk_prob=True,
-        max_position_embeddings=MAX_POSITIONS,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        initializer_range=INIT_STD,
-        dtype="float32",
-        **ids,
     )
 
 
