@@ -11,16 +11,19 @@ from sglang_kvx.serve.launcher import ServerProcess
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_qwen3_matches_hf(tmp_path):
-    path = build_demo_model("tiny-qwen3", tmp_path / "tiny-qwen3")
-    ref = HFReference(path)
+def assert_serves_like_hf(server: ServerProcess, ref: HFReference) -> None:
+    """Greedy tokens equal HF's and prompt log-probabilities agree within 1e-4."""
     prompt = ref.encode("red blue green river " * 40)
-    with ServerProcess(path, max_total_tokens=4096) as server:
-        body = server.generate(
-            {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
-             "return_logprob": True, "logprob_start_len": 0}
-        ).json()
+    body = server.generate(
+        {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
+         "return_logprob": True, "logprob_start_len": 0}
+    ).json()
     assert body["output_ids"] == ref.greedy(prompt, 12)
     served = [e[0] for e in body["meta_info"]["input_token_logprobs"][1:]]
-    expected = ref.prompt_logprobs(prompt)
-    assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(served, ref.prompt_logprobs(prompt))) <= 1e-4
+
+
+def test_tiny_qwen3_matches_hf(tmp_path):
+    path = build_demo_model("tiny-qwen3", tmp_path / "tiny-qwen3")
+    with ServerProcess(path, max_total_tokens=4096) as server:
+        assert_serves_like_hf(server, HFReference(path))

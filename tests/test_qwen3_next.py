@@ -13,6 +13,7 @@ from sglang_kvx.reference.signals import context_signals
 from sglang_kvx.select import choose_keep_set
 from sglang_kvx.serve.launcher import ServerProcess
 from tests.test_compaction_e2e import compact, generate, kvx, overlap, served_keep_set, stored, text
+from tests.test_qwen3_dense import assert_serves_like_hf
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +36,7 @@ def qwen3_next(tmp_path_factory):
 
 def test_full_cache_matches_hf(qwen3_next):
     _, _, server, ref = qwen3_next
-    prompt = ref.encode("red blue green river " * 40)
-    body = server.generate(
-        {"input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
-         "return_logprob": True, "logprob_start_len": 0}
-    ).json()
-    assert body["output_ids"] == ref.greedy(prompt, 12)
-    served = [e[0] for e in body["meta_info"]["input_token_logprobs"][1:]]
-    assert max(abs(a - b) for a, b in zip(served, ref.prompt_logprobs(prompt))) <= 1e-4
+    assert_serves_like_hf(server, ref)
 
 
 @pytest.mark.parametrize("policy,allocation", [("gatesight", None), ("keydiff", "gate")])
