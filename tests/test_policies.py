@@ -56,7 +56,7 @@ def test_every_policy_is_registered_with_a_known_allocation_and_signals():
         assert cls.allocation in allocation_names()
         assert cls.needs <= SIGNAL_NAMES, name
     assert get_policy("pyramidkv").allocation == "pyramidkv" and get_policy("snapkv").allocation == "flat"
-    assert get_policy("pyramidkv")(beta=7).allocation_options == {"beta": 7}
+    assert get_policy("pyramidkv")(beta=7).allocation_options == {"beta": 7, "window_size": 64}
 
 
 def test_a_dense_model_serves_every_policy():

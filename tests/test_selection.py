@@ -25,26 +25,26 @@ def test_flat_keeps_round_p_m_in_every_layer(keep_fraction, num_budgeted, expect
 @pytest.mark.parametrize("num_layers", [1, 2, 7, 32])
 @pytest.mark.parametrize("keep_fraction", [0.02, 0.1, 0.3, 0.5, 0.8, 1.0])
 @pytest.mark.parametrize("num_budgeted", [0, 37, 1000])
-def test_pyramid_spends_the_flat_total_and_decreases_with_depth(num_layers, keep_fraction, num_budgeted):
-    flat = layer_budgets("flat", keep_fraction, num_budgeted, num_layers)
+def test_pyramid_spends_p_m_per_layer_up_to_rounding_and_decreases_with_depth(num_layers, keep_fraction, num_budgeted):
+    # kvpress's rule rounds layer by layer: within L / 2 of L * p * m, not always the flat total
+    # (the worked cases are in test_pyramid_budgets.py).
     pyramid = layer_budgets("pyramidkv", keep_fraction, num_budgeted, num_layers)
-    assert sum(pyramid) == sum(flat)
+    assert abs(sum(pyramid) - num_layers * keep_fraction * num_budgeted) <= num_layers / 2 + 1e-9
     assert all(0 <= b <= num_budgeted for b in pyramid)
     assert all(a >= b for a, b in zip(pyramid, pyramid[1:]))
-    if num_layers > 1 and flat[0] >= 20 and keep_fraction <= 0.5:
-        assert pyramid[0] > flat[0] > pyramid[-1]
 
 
-def test_pyramid_follows_the_paper_shape():
-    # mean 100, beta 20: the last layer gets 100 / 20 = 5, the first 2 * 100 - 5 = 195, linear between.
-    budgets = layer_budgets("pyramidkv", 0.1, 1000, 8)
-    assert budgets[0] == 195 and budgets[-1] == 5
+def test_pyramid_follows_the_reference_shape():
+    # mean 1638.4, beta 20: the last layer gets 1638.4 / 20 = 81.92, the first 2 * 1638.4 - 81.92, linear between.
+    budgets = layer_budgets("pyramidkv", 0.4, 4096, 8)
+    assert budgets[0] == 3195 and budgets[-1] == 82
     steps = [a - b for a, b in zip(budgets, budgets[1:])]
     assert max(steps) - min(steps) <= 1
-    assert layer_budgets("pyramidkv", 0.1, 1000, 8, beta=1.0) == [100] * 8  # beta 1 is flat
-    # The first layer cannot keep more than it has: capped at m, the series stays linear and the total holds.
-    capped = layer_budgets("pyramidkv", 0.7, 100, 5)
-    assert capped[0] == 100 and capped[-1] == 40 and sum(capped) == 350
+    assert layer_budgets("pyramidkv", 0.4, 4096, 8, beta=1.0) == [1638] * 8  # beta 1 is flat
+    # Capped at m - w = 448 (window 64), the last layer 2 * 256 - 448 = 64: the kvpress figures.
+    assert layer_budgets("pyramidkv", 0.5, 512, 4) == [448, 320, 192, 64]
+    # The last layer would get fewer than the window's 64 entries: flat SnapKV budgets.
+    assert layer_budgets("pyramidkv", 0.1, 1000, 8) == [100] * 8
 
 
 def test_pyramid_at_p_one_keeps_everything():
@@ -167,8 +167,8 @@ def test_choose_keep_set_can_override_the_allocation():
     signals = gate_signals([0.1, 0.3], n=40)
     keep_set = choose_keep_set(get_policy("snapkv")(), signals, 0.5, allocation="gate")
     assert keep_set.kept_per_layer == [10, 30]
-    pyramid = choose_keep_set(get_policy("pyramidkv")(), make_signals(num_layers=4, n=200), 0.2)
-    assert pyramid.kept_per_layer == layer_budgets("pyramidkv", 0.2, 200, 4) and pyramid.kept_per_layer[0] > pyramid.kept_per_layer[-1]
+    pyramid = choose_keep_set(get_policy("pyramidkv")(), make_signals(num_layers=4, n=200), 0.5)
+    assert pyramid.kept_per_layer == layer_budgets("pyramidkv", 0.5, 200, 4) and pyramid.kept_per_layer[0] > pyramid.kept_per_layer[-1]
 
 
 def test_keep_set_mask_matches_positions():
