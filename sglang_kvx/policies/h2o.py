@@ -10,6 +10,12 @@ The split lives in the score: given the layer's budget K, the last int(recent_ra
 positions score +inf and the rest score their accumulated attention, so top-K selection keeps
 exactly the recent window plus the best of the others. Without a budget (a bare score call)
 the score is the accumulated attention alone.
+
+Against kvpress's ObservedAttentionPress (its H2O-like press): kvpress divides each key's summed
+attention by the number of queries that see it (n - i, causal), and averages over the group; this
+keeps the raw sums the H2O paper ranks by (the group sum is only a constant factor); they favour
+early keys, which more queries see. On the same input the scores equal kvpress's once divided.
+kvpress's press has no recent window; the half-budget recent window here is the paper's.
 """
 
 from __future__ import annotations

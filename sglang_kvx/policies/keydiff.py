@@ -5,6 +5,10 @@ in Resource-Constrained Environments" (arXiv:2504.15364): per KV head, the ancho
 of the L2-normalised keys; an entry's score is -cos(k_i, anchor), so the most distinctive keys
 stay. Needs no attention weights. (The paper streams blocks and re-scores each block against
 the running cache; a prefilled context is one block here, so the anchor covers all n keys.)
+
+Against kvpress's KeyDiffPress (same anchor and score; it too scores the whole prefill as one
+block): computed in float32 where kvpress stays in the model's dtype, and the count kept is
+round(p * m) beyond the protected prefix, where kvpress keeps int(p * n) of the whole context.
 """
 
 from __future__ import annotations

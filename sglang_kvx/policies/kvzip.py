@@ -14,6 +14,13 @@ chunk and the pass's own keys. These are the KVzip repo's defaults (model/wrappe
 The score itself is ContextSignals.reconstruction_attention; ``accumulate_reconstruction_attention``
 turns one pass's captured queries and keys into it, ``reconstruction_inputs`` builds the passes
 from the ids ``reconstruction_prompt_ids`` takes from the model's tokenizer.
+
+Against kvpress's KVzipPress (same max-over-queries-and-group score): kvpress by default
+(layerwise=False) drops everything under one threshold over all layers and heads, so its layers
+and heads keep different counts; here each layer keeps round(p * m) per KV head (the flat
+allocation), as a layer's KV heads share its slots in the server. kvpress also pins the first 4
+tokens (score 1) and reconstructs in chunks of 2048; here only the protected prefix is pinned and
+chunks are the KVzip repo's 2000.
 """
 
 from __future__ import annotations

@@ -2,6 +2,11 @@
 
 As kvpress's RandomPress: every (layer, KV head, entry) draws an independent uniform score. The
 draw is seeded per (seed, layer), so a context compacts the same way on every run and every rank.
+
+Against kvpress's RandomPress: the same distribution, not the same numbers. kvpress draws from
+torch's global generator (reseeded with the same seed at every layer when a seed is given, so every
+layer draws alike); here each layer has its own CPU generator, so layers differ but runs and tensor
+parallel ranks agree. The count kept is round(p * m), kvpress's int(p * n).
 """
 
 from __future__ import annotations

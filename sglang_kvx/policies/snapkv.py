@@ -6,6 +6,12 @@ attention to the keys, summed over the window and over the query heads sharing a
 (the GQA fix of the SnapKV repo's issue 22), is 1-D average-pooled over positions (kernel 5,
 stride 1, zero-padded) so neighbours of a hit survive with it. The window's own entries always
 stay. Defaults w = 64, kernel 5, average pooling: the SnapKV repo's snapkv_utils defaults.
+
+Against kvpress's SnapKVPress: kvpress averages over the window and over the group where this
+sums (a constant factor per layer, so the same ranking; pooling is linear, so pooling before or
+after the group changes nothing). Window marking: kvpress pads the window with the largest
+pre-window score (over all heads), a tie top-K may break against a window entry; here the window
+scores +inf, so it is always kept first. The count kept is round(p * m), kvpress's int(p * n).
 """
 
 from __future__ import annotations

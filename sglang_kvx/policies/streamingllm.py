@@ -5,6 +5,11 @@ arXiv:2309.17453): keep the first 4 tokens (the sinks that soak up attention mas
 window of the most recent ones; everything in between goes. As a score: sinks rank above
 every other entry, the rest rank by position, so top-K = sinks + the K - sinks most recent.
 Sinks inside the protected prefix are kept there and cost no budget.
+
+Against kvpress's StreamingLLMPress (4 sinks too): kvpress encodes the keep set as a 0/1 score
+that already depends on its compression ratio (zeros on the n_pruned entries after the sinks);
+here the score is the position, so one ranking serves every budget (the per-layer allocations and
+the protected prefix need that). Same keep set when the counts agree; kvpress keeps int(p * n).
 """
 
 from __future__ import annotations

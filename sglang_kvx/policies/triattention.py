@@ -17,6 +17,10 @@ The trigonometric term equals the mean over d of RoPE(E q, n + d) . k_i with the
 (post-RoPE) key, which is how it is computed here. Partial rotary (Qwen3.5: only the first
 rotary_dim dims rotate): the unrotated dims are frequency-0 terms, each its own component, so they
 add E q . k plus their own norm term.
+
+NVIDIA/kvpress has no TriAttention press, so there is no kvpress definition to differ from; the
+reference is the authors' repo, and the departure from it is the one stated above (statistics from
+the context's own prefill queries instead of a calibration set).
 """
 
 from __future__ import annotations
