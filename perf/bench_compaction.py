@@ -19,7 +19,7 @@ import time
 
 import requests
 
-from sglang_kvx.config import SERVABLE_POLICIES
+from sglang_kvx.policies import servable_policy_names
 from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
 from sglang_kvx.serve.launcher import ServerProcess
 
@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     ensure_demo_models()
     n, p = args.context, args.keep_fraction
-    policies = sorted(SERVABLE_POLICIES - {"none"})
+    policies = servable_policy_names()
     result: dict = {"model": args.model, "context_tokens": n, "keep_fraction": p, "pool_tokens": args.pool}
     server = ServerProcess(
         weights_root() / args.model, "--kvx-policy", "streamingllm", "--kvx-keep-fraction", str(p),

@@ -1,7 +1,8 @@
-"""The ``--kvx-*`` flags as one validated, frozen config.
+"""The ``--kvx-*`` flags as one validated, frozen config, and what a model offers a policy.
 
 Validation runs in the launcher before any model is loaded: it reads only the
-model's ``config.json`` to learn what the model can offer a policy.
+model's ``config.json`` to learn what the model can offer a policy. Which policies
+exist, what they read and where they are safe comes from the policy registry alone.
 """
 
 from __future__ import annotations
@@ -13,18 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from sglang_kvx.policies import ModelTraits, get_policy, policy_names
-
-# Policies the server can apply today: those reading keys and values (SGLang's
-# pool holds them), attention or query statistics (queries captured during the
-# parent's prefill), GDN signals / output gates (captured the same way), and
-# KVzip's reconstruction (internal second-pass requests, compact/second_pass.py).
-# Per-layer budgets (pyramidkv) need the kvx_torch_native attention backend.
-# A registered policy outside this set scores offline only (choose_keep_set, the
-# HF oracle); the launcher refuses it rather than accept it and do nothing.
-SERVABLE_POLICIES: frozenset[str] = frozenset(
-    {"none", "random", "knorm", "streamingllm", "keydiff", "snapkv", "h2o", "pyramidkv", "triattention", "gatesight", "kvzip"}
-)
+from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
 # parsed here, so a bad value gets our one-line error rather than argparse's
@@ -57,6 +47,11 @@ class KvxConfig:
         return asdict(self)
 
 
+def flag_choices() -> list[str]:
+    """What ``--kvx-policy`` accepts: ``none`` and every served policy of the registry."""
+    return sorted({"none", *servable_policy_names()})
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sglang_kvx (KV compaction)")
     for dest, (default, help_text) in FLAGS.items():
@@ -73,28 +68,6 @@ def parse_keep_fraction(raw: str | float) -> float:
     return value
 
 
-def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
-    """What the model offers, from its ``config.json``; None when there is no local config to read."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        return None
-    cfg = json.loads(config_file.read_text())
-    cfg = cfg.get("text_config", cfg)
-    layer_types = cfg.get("layer_types") or []
-    has_gdn = "linear_attention" in layer_types
-    n_layers = int(cfg.get("num_hidden_layers", 0))
-    n_attn = sum(t == "full_attention" for t in layer_types) if layer_types else n_layers
-    arch = (cfg.get("architectures") or [cfg.get("model_type", "this model")])[0]
-    return ModelTraits(
-        architecture=arch,
-        num_attention_layers=n_attn,
-        num_kv_heads=int(cfg.get("num_key_value_heads", cfg.get("num_attention_heads", 0))),
-        has_gdn=has_gdn,
-        # Qwen3.5 / Qwen3-Next full-attention layers gate their output per head.
-        has_output_gate=has_gdn and cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next")),
-    )
-
-
 def parse_protected_prefix_len(raw: str | int) -> int:
     try:
         value = int(raw)
@@ -105,22 +78,75 @@ def parse_protected_prefix_len(raw: str | int) -> int:
     return value
 
 
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config: multimodal checkpoints (Qwen3.5) nest it as ``text_config``."""
+    nested = cfg.get("text_config")
+    return nested if isinstance(nested, dict) else cfg
+
+
+def layer_kinds(cfg: dict[str, Any]) -> list[str]:
+    """Per layer "full_attention" or "linear_attention" (GDN), from the forms published checkpoints use:
+    an explicit ``layer_types`` list (Qwen3.5), else ``full_attention_interval`` (Qwen3-Next: every
+    k-th layer attends), else a dense model (every layer attends)."""
+    cfg = text_config(cfg)
+    n_layers = int(cfg.get("num_hidden_layers", 0))
+    kinds = cfg.get("layer_types")
+    if kinds:
+        if len(kinds) != n_layers:
+            raise KvxConfigError(f"config.json lists {len(kinds)} layer_types for {n_layers} layers")
+        return ["linear_attention" if kind == "linear_attention" else "full_attention" for kind in kinds]
+    interval = cfg.get("full_attention_interval")
+    if interval and str(cfg.get("model_type", "")).startswith(("qwen3_next", "qwen3_5")):
+        return ["full_attention" if (i + 1) % int(interval) == 0 else "linear_attention" for i in range(n_layers)]
+    return ["full_attention"] * n_layers
+
+
+def traits_of_config(cfg: dict[str, Any]) -> ModelTraits:
+    """What a model offers a policy, from its config (as in ``config.json``)."""
+    text = text_config(cfg)
+    kinds = layer_kinds(cfg)
+    attention_ids = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    gdn_ids = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    has_gdn = bool(gdn_ids)
+    model_type = str(text.get("model_type", ""))
+    arch = (cfg.get("architectures") or text.get("architectures") or [model_type or "this model"])[0]
+    return ModelTraits(
+        architecture=arch,
+        num_attention_layers=len(attention_ids),
+        num_kv_heads=int(text.get("num_key_value_heads", text.get("num_attention_heads", 0))),
+        has_gdn=has_gdn,
+        # Qwen3.5 / Qwen3-Next full-attention layers gate their output per head.
+        has_output_gate=has_gdn and model_type.startswith(("qwen3_5", "qwen3_next")),
+        attention_layer_ids=attention_ids,
+        gdn_layer_ids=gdn_ids,
+    )
+
+
+def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
+    """What the model offers, from its ``config.json``; None when there is no local config to read."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    return traits_of_config(json.loads(config_file.read_text()))
+
+
 def build_config(
     policy: str = "none",
     keep_fraction: str | float = 1.0,
     model_path: str | None = None,
     protected_prefix_len: str | int = 0,
     estimator: str = "",
+    tp_size: int = 1,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
-    servable = ", ".join(sorted(SERVABLE_POLICIES))
+    choices = ", ".join(flag_choices())
     if policy not in policy_names():
-        raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {servable}")
-    if policy not in SERVABLE_POLICIES:
-        raise KvxConfigError(
-            f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {servable}"
-        )
+        raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {choices}")
     policy_cls = get_policy(policy)
+    if policy not in flag_choices():
+        raise KvxConfigError(f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {choices}")
+    if tp_size > 1 and policy_cls.tp_unsafe:
+        raise KvxConfigError(f"kvx policy {policy!r} is not supported with --tp-size {tp_size} yet: {policy_cls.tp_unsafe}")
     config = KvxConfig(
         policy=policy,
         keep_fraction=parse_keep_fraction(keep_fraction),
@@ -137,58 +163,15 @@ def build_config(
             policy_cls.check_model(traits)
         except ValueError as exc:
             raise KvxConfigError(str(exc)) from None
-    if policy == "gatesight" or estimator:
-        make_policy(policy, config)  # finds and checks the estimator now, not at the first request
+    if policy_cls.compacts:
+        make_policy(policy, config)  # a policy that cannot load (no estimator) fails now, not at the first request
     return config
 
 
-# Under tensor parallelism every rank compacts its own KV heads and all ranks must agree on each
-# layer's budget and on every internal request. These would not (yet): the gate allocation reads
-# the rank's own query heads, GateSight's estimators index global KV heads, and KVzip's second pass
-# queues requests from inside one scheduler.
-TP_UNSUPPORTED = {
-    "gatesight": "its estimators and gate budgets are per global KV / query head",
-    "kvzip": "its second pass queues internal requests from inside the scheduler",
-    "gate": "each rank would average only its own query heads' gates",
-}
-
-
-def check_tensor_parallel(policy: str, allocation: str | None, tp_size: int) -> None:
-    """Refuse, with the reason, a policy or allocation that is not rank-consistent under --tp-size > 1."""
-    if tp_size <= 1:
-        return
-    for name, kind in ((policy, "policy"), (allocation, "allocation")):
-        if name in TP_UNSUPPORTED:
-            raise KvxConfigError(f"kvx {kind} {name!r} is not supported with --tp-size {tp_size} yet: {TP_UNSUPPORTED[name]}")
-
-
-def request_kvx_params(sampling_params: Any) -> dict[str, Any]:
-    """A request's ``custom_params["kvx"]`` overrides ({} when it sends none)."""
-    custom = getattr(sampling_params, "custom_params", None) or {}
-    params = custom.get("kvx") if isinstance(custom, dict) else None
-    return params if isinstance(params, dict) else {}
-
-
-def marks_context(sampling_params: Any) -> bool:
-    """Whether a request is a parent, a context to compact: prefill-only (how SGLang's frontend
-    commits a shared prefix) unless ``{"kvx": {"compact": ...}}`` says otherwise."""
-    params = request_kvx_params(sampling_params)
-    if "compact" in params:
-        return bool(params["compact"])
-    return getattr(sampling_params, "max_new_tokens", None) == 0
-
-
-def policy_options(name: str, config: KvxConfig) -> dict[str, Any]:
-    """Constructor options a served policy takes from the server's config."""
-    if name == "gatesight":
-        return {"estimator": config.estimator or None, "model_path": config.model_path or None}
-    return {}
-
-
-def make_policy(name: str, config: KvxConfig):
+def make_policy(name: str, config: KvxConfig) -> KVPolicy:
     """The policy object a server applies; a policy that cannot load (GateSight without estimators
     for this model) raises KvxConfigError with the reason."""
     try:
-        return get_policy(name)(**policy_options(name, config))
+        return get_policy(name).from_config(config)
     except (ValueError, FileNotFoundError) as exc:
         raise KvxConfigError(str(exc)) from None

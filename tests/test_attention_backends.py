@@ -1,7 +1,7 @@
 """Per-layer budgets (PyramidKV, GateSight's gate allocation) on SGLang's own attention backends.
 
 The plugin gives every full-attention backend SGLang builds the per-layer-lengths mixin
-(``compact/attention.py``). Here the server runs SGLang's ``torch_native`` backend, not ours,
+(``adapter/attention.py``). Here the server runs SGLang's ``torch_native`` backend, not ours,
 with GateSight's signals recomputed around the GDN layers as on GPU, and its children must
 still equal the HF oracle applying the served keep-set.
 """
@@ -13,7 +13,7 @@ import requests
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_kvx.compact.attention import (
+from sglang_kvx.adapter.attention import (
     KvxTorchNativeAttnBackend,
     PerLayerLengths,
     has_per_layer_lengths,

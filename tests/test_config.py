@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sglang_kvx.config import SERVABLE_POLICIES, KvxConfigError, build_config, model_traits
+from sglang_kvx.config import KvxConfigError, build_config, flag_choices, model_traits
 from sglang_kvx.policies import POLICIES, KVPolicy, policy_names, register_policy
 
 
@@ -31,13 +31,15 @@ def test_unknown_policy_names_the_valid_choices():
     with pytest.raises(KvxConfigError) as err:
         build_config("snapkvv")
     message = str(err.value)
-    assert message == "unknown --kvx-policy 'snapkvv'; valid choices: " + ", ".join(sorted(SERVABLE_POLICIES))
+    # The choices come from the registry alone: every registered policy, none of them listed here.
+    assert message == "unknown --kvx-policy 'snapkvv'; valid choices: " + ", ".join(flag_choices())
 
 
 def test_registered_but_unserved_policy_is_refused_not_ignored(monkeypatch):
     # Accepting a compacting policy the server cannot apply would silently serve the full cache.
     class OfflineOnly(KVPolicy):
         name = "_test_offline_only"
+        served = False  # the policy's own fact: it scores offline only
 
     monkeypatch.setitem(POLICIES, OfflineOnly.name, OfflineOnly)
     with pytest.raises(KvxConfigError, match=re.escape("--kvx-policy _test_offline_only is not served yet (it scores offline)")):
@@ -45,7 +47,7 @@ def test_registered_but_unserved_policy_is_refused_not_ignored(monkeypatch):
 
 
 def test_every_shipped_policy_is_served():
-    assert set(policy_names()) == set(SERVABLE_POLICIES)
+    assert set(policy_names()) == set(flag_choices())
 
 
 def test_gatesight_without_estimators_for_the_model_is_refused(tmp_path, demo_paths):
@@ -74,14 +76,11 @@ def test_model_traits_from_config(demo_paths):
 
 
 def test_policy_the_model_cannot_serve_is_refused(demo_paths, monkeypatch):
-    import sglang_kvx.config as config_module
-
     class NeedsGDN(KVPolicy):
         name = "_test_needs_gdn"
         needs = frozenset({"gdn"})
 
     monkeypatch.setitem(POLICIES, NeedsGDN.name, NeedsGDN)  # registered for this test only
-    monkeypatch.setattr(config_module, "SERVABLE_POLICIES", SERVABLE_POLICIES | {"_test_needs_gdn"})
     build_config("_test_needs_gdn", 0.5, demo_paths["tiny-hybrid-deep"])  # the hybrid has GDN signals
     with pytest.raises(KvxConfigError, match="needs gdn.*LlamaForCausalLM"):
         build_config("_test_needs_gdn", 0.5, demo_paths["tiny-llama"])

@@ -15,7 +15,7 @@ import requests
 import torch
 
 from sglang_kvx.models.tokenizer import WORDS
-from sglang_kvx.plugin import cpu_thread_binding
+from sglang_kvx.adapter.plugin import cpu_thread_binding
 from sglang_kvx.serve.affinity import ContextAffinity, prefix_hashes
 from sglang_kvx.serve.launcher import ServerProcess
 

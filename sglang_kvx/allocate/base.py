@@ -19,17 +19,29 @@ Allocation = Callable[..., list[int]]
 ALLOCATIONS: dict[str, Allocation] = {}
 # The signals an allocation reads beyond the policy's (the server captures them in the prefill).
 ALLOCATION_NEEDS: dict[str, frozenset[str]] = {}
+# Why an allocation is not rank-consistent under tensor parallelism (absent: it is).
+ALLOCATION_TP_UNSAFE: dict[str, str] = {}
 
 
-def register_allocation(name: str, needs: frozenset[str] = frozenset()) -> Callable[[Allocation], Allocation]:
+def register_allocation(
+    name: str, needs: frozenset[str] = frozenset(), tp_unsafe: str = ""
+) -> Callable[[Allocation], Allocation]:
     def decorator(fn: Allocation) -> Allocation:
         if name in ALLOCATIONS:
             raise ValueError(f"allocation {name!r} is already registered")
         ALLOCATIONS[name] = fn
         ALLOCATION_NEEDS[name] = frozenset(needs)
+        if tp_unsafe:
+            ALLOCATION_TP_UNSAFE[name] = tp_unsafe
         return fn
 
     return decorator
+
+
+def allocation_tp_problem(name: str) -> str:
+    """Why allocation ``name`` is not rank-consistent under tensor parallelism ("" when it is)."""
+    get_allocation(name)
+    return ALLOCATION_TP_UNSAFE.get(name, "")
 
 
 def allocation_needs(name: str) -> frozenset[str]:

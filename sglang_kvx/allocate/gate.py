@@ -13,7 +13,9 @@ from sglang_kvx.allocate.base import flat_budget, proportional_with_cap, registe
 from sglang_kvx.signals import ContextSignals
 
 
-@register_allocation("gate", needs=frozenset({"output_gate"}))
+@register_allocation(
+    "gate", needs=frozenset({"output_gate"}), tp_unsafe="each rank would average only its own query heads' gates"
+)
 def gate(
     keep_fraction: float,
     num_budgeted: int,

@@ -7,7 +7,7 @@ free less than (1 - p) of its memory. Instead the layers are folded: the context
 holds S = ceil(sum_l K_l / L) slots; layer l keeps its ranks [0, min(K_l, S)) in
 its own buffer, and a layer with K_l > S stores its remaining ranks in the cells
 other layers leave empty ([K_j, S) of layer j's buffer). Attention for a folded
-layer reads those borrowed cells as well (``compact/attention.py``).
+layer reads those borrowed cells as well (``adapter/attention.py``).
 
 Flat budgets fold to the plain layout (S = K, each layer its own first K cells),
 which every SGLang backend reads unchanged. Folding needs every attention layer's

@@ -11,6 +11,7 @@ from sglang_kvx.policies.base import (
     get_policy,
     policy_names,
     register_policy,
+    servable_policy_names,
 )
 
 # Importing a policy module registers it.
@@ -19,4 +20,4 @@ from sglang_kvx.policies import h2o, keydiff, knorm, pyramidkv, random, snapkv, 
 from sglang_kvx.policies import kvzip, triattention  # noqa: F401,E402
 from sglang_kvx.policies import gatesight  # noqa: F401,E402
 
-__all__ = ["POLICIES", "KVPolicy", "ModelTraits", "get_policy", "policy_names", "register_policy"]
+__all__ = ["POLICIES", "KVPolicy", "ModelTraits", "get_policy", "policy_names", "register_policy", "servable_policy_names"]

@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import CaptureSpec, ContextSignals
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class ModelTraits:
     num_kv_heads: int
     has_gdn: bool  # Gated-DeltaNet layers: write gates, decay, write magnitudes
     has_output_gate: bool  # gated full attention (Qwen3.5 / Qwen3-Next)
+    attention_layer_ids: tuple[int, ...] = ()  # model layer index of each full-attention layer
+    gdn_layer_ids: tuple[int, ...] = ()  # model layer index of each GDN layer
 
     @property
     def signals(self) -> frozenset[str]:
@@ -41,6 +43,12 @@ class ModelTraits:
 class KVPolicy:
     """Base class. ``needs`` names the signals a policy reads; a model lacking one is refused.
 
+    A policy carries its own facts, and the server, the flags, validation, ``/kvx/stats`` and the
+    tests read them from here (the registry is the only list of policies): ``needs`` (signals),
+    ``captures()`` (what the server records inside the prefill for it), ``tp_unsafe`` (why it is
+    not rank-consistent under tensor parallelism, "" when it is), ``second_pass`` (it is scored
+    by internal reconstruction requests after the prefill), ``from_config`` (how a server builds it).
+
     Subclasses take their options as keyword arguments with their paper's defaults
     (``get_policy("snapkv")(window_size=32)``). Policies that need an extra model pass
     (KVzip's reconstruction, TriAttention's statistics) fit the same shape: the producer
@@ -52,10 +60,24 @@ class KVPolicy:
     needs: ClassVar[frozenset[str]] = frozenset()
     # False only for ``none``: the server then behaves exactly as plain SGLang.
     compacts: ClassVar[bool] = True
-    # True when score() reads attention_column_sums (the server then accumulates them during prefill).
-    reads_column_sums: ClassVar[bool] = False
+    # Why it is not rank-consistent under --tp-size > 1 ("" = it is: scores and budgets per local KV head).
+    tp_unsafe: ClassVar[str] = ""
+    # False for a policy that scores offline only (the HF oracle, choose_keep_set): the server refuses it.
+    served: ClassVar[bool] = True
+    # Scored by the server's internal reconstruction requests after the prefill (KVzip), not at release.
+    second_pass: ClassVar[bool] = False
     # The layer-budget rule used unless the caller picks another (a name in sglang_kvx.allocate).
     allocation: ClassVar[str] = "flat"
+
+    @classmethod
+    def from_config(cls, config: Any) -> "KVPolicy":
+        """The instance a server applies (``config``: its ``KvxConfig``); paper defaults unless overridden."""
+        return cls()
+
+    def captures(self) -> CaptureSpec:
+        """What the server records for this policy inside a parent's prefill (keys and values are read
+        from the pool afterwards). Attention-reading policies override it with their window."""
+        return CaptureSpec.for_signals(self.needs)
 
     @property
     def allocation_options(self) -> dict[str, Any]:
@@ -100,6 +122,11 @@ def register_policy(name: str) -> Callable[[type[KVPolicy]], type[KVPolicy]]:
 
 def policy_names() -> list[str]:
     return sorted(POLICIES)
+
+
+def servable_policy_names() -> list[str]:
+    """The policies a request or ``--kvx-policy`` may name to compact a context."""
+    return sorted(name for name, cls in POLICIES.items() if cls.compacts and cls.served)
 
 
 def get_policy(name: str) -> type[KVPolicy]:

@@ -25,6 +25,7 @@ from sglang_kvx.signals import ContextSignals
 class GateSightPolicy(KVPolicy):
     needs = frozenset({"gdn", "output_gate"})
     allocation = "gate"
+    tp_unsafe = "its estimators are per global KV head and its gate budgets per global query head"
 
     def __init__(
         self,
@@ -42,6 +43,11 @@ class GateSightPolicy(KVPolicy):
         self.estimator = estimator
         self.window = int(estimator.manifest.get("gdn_window", 6))
         self.impl = impl
+
+    @classmethod
+    def from_config(cls, config) -> "GateSightPolicy":
+        """The server's estimator folder (``--kvx-estimator``), else the one trained for ``--model-path``."""
+        return cls(estimator=config.estimator or None, model_path=config.model_path or None)
 
     def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
         """All layers at once: the features of every attention layer, one batched MLP op."""

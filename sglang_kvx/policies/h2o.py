@@ -23,18 +23,41 @@ from __future__ import annotations
 import torch
 
 from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy, sum_over_kv_groups
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import CaptureSpec, ContextSignals
+
+QUERY_BLOCK = 512  # queries per block: bounded [q_heads, 512, S] logits at a time
+
+
+def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, scaling: float, first_position: int) -> None:
+    """Add, per query head and key, the causal softmax attention of ``queries`` to ``sums`` [q_heads, >= S].
+
+    queries [t, q_heads, D] sit at positions first_position .. first_position + t - 1 (one prefill
+    chunk); keys [S, kv_heads, D] are every key up to the last of them, post-RoPE as cached.
+    Accumulated chunk by chunk, this is ContextSignals.attention_column_sums.
+    """
+    num_q_heads = queries.shape[1]
+    seq_len = keys.shape[0]
+    keys = keys.float().repeat_interleave(num_q_heads // keys.shape[1], dim=1)  # [S, q_heads, D]
+    key_positions = torch.arange(seq_len, device=keys.device)
+    for start in range(0, queries.shape[0], QUERY_BLOCK):
+        block = queries[start : start + QUERY_BLOCK].float()
+        logits = torch.einsum("thd,shd->hts", block, keys) * scaling
+        query_positions = first_position + start + torch.arange(block.shape[0], device=keys.device)
+        future = key_positions[None, :] > query_positions[:, None]
+        sums[:, :seq_len] += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
 
 
 @register_policy("h2o")
 class H2OPolicy(KVPolicy):
     needs = frozenset({"attention"})
-    reads_column_sums = True
 
     def __init__(self, *, recent_ratio: float = 0.5) -> None:
         if not 0.0 <= recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio must be in [0, 1], got {recent_ratio}")
         self.recent_ratio = recent_ratio
+
+    def captures(self) -> CaptureSpec:
+        return CaptureSpec(column_sums=True)
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         column_sums = layer_signal(signals, "attention_column_sums", layer, self.name)  # [q_heads, n]

@@ -137,6 +137,8 @@ def accumulate_reconstruction_attention(
 @register_policy("kvzip")
 class KVzipPolicy(KVPolicy):
     needs = frozenset({"reconstruction"})
+    second_pass = True
+    tp_unsafe = "its second pass queues internal requests from inside one rank's scheduler"
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         return layer_signal(signals, "reconstruction_attention", layer, self.name).float()

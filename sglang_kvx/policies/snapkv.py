@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import CaptureSpec, ContextSignals
 
 
 def observation_window_attention(window_queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -60,6 +60,9 @@ class SnapKVPolicy(KVPolicy):
         self.window_size = window_size
         self.kernel_size = kernel_size
         self.pooling = pooling
+
+    def captures(self) -> CaptureSpec:
+        return CaptureSpec(window=self.window_size)
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         keys = layer_signal(signals, "keys", layer, self.name)

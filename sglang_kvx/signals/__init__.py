@@ -8,9 +8,43 @@ named in its ``needs``; the producer fills only what some policy asked for.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """What a parent's prefill must record for its policy and allocation (the rest, keys and values,
+    is read from the pool afterwards). Union two specs with ``|``."""
+
+    window: int = 0  # last queries of the context per attention layer (SnapKV's observation window)
+    column_sums: bool = False  # every query's attention summed per key (H2O)
+    query_statistics: bool = False  # TriAttention's query centres and magnitudes
+    gdn: bool = False  # beta, g, ||v|| per GDN layer (GateSight)
+    output_gate: bool = False  # mean sigmoid output gate per attention layer (GateSight budgets)
+    pass_queries: bool = False  # every query of a KVzip reconstruction pass
+
+    @classmethod
+    def for_signals(cls, names: frozenset[str]) -> "CaptureSpec":
+        """The spec for signals named as in ``KVPolicy.needs`` / allocation needs."""
+        return cls(query_statistics="queries" in names, gdn="gdn" in names, output_gate="output_gate" in names)
+
+    def __or__(self, other: "CaptureSpec") -> "CaptureSpec":
+        return replace(
+            self,
+            window=max(self.window, other.window),
+            **{name: getattr(self, name) or getattr(other, name)
+               for name in ("column_sums", "query_statistics", "gdn", "output_gate", "pass_queries")},
+        )
+
+    @property
+    def reads_queries(self) -> bool:
+        return bool(self.window or self.column_sums or self.query_statistics or self.pass_queries)
+
+    @property
+    def empty(self) -> bool:
+        return self == CaptureSpec()
 
 
 @dataclass

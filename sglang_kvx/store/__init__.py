@@ -16,39 +16,42 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from sglang_kvx.compact.layout import PrefixLayout
+from sglang_kvx.settings import CompactionSettings
+
+
+class PrefixCells(NamedTuple):
+    """What one layer reads of a compacted prefix, where that differs from the row's first S slots."""
+
+    num_slots: int  # S: the prefix's slots at the start of the row
+    own: int  # this layer's ranks in its own buffer: row slots [0, own); [own, S) are masked out
+    borrowed: tuple[tuple[int, torch.Tensor], ...] = ()  # (layer_id of a buffer, slots there): its further ranks
 
 
 @dataclass
 class CompactedContext:
     context_ids: tuple[int, ...]
-    policy: str
-    keep_fraction: float
-    protected_prefix_len: int
+    settings: CompactionSettings
     slots: torch.Tensor  # LongTensor [S]: pool slots holding the kept entries (rank order)
     kept_per_layer: list[int]
     layout: PrefixLayout  # which cells of which layer's buffer hold each layer's ranks
     keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
-    allocation: str = "flat"  # how the budget was spread across attention layers
-    gdn_snapshot: Any = None  # MambaPool.get_cpu_copy(...) of the parent's state slot, or None
+    gdn_snapshot: Any = None  # the parent's recurrent states (KVPool.snapshot_state), or None
     timings: dict[str, float] = field(default_factory=dict)
-    # Per attention layer, what attention reads beyond the backend's plain row (None: plain); set by the runtime.
-    prefix_cells: list[Any] = field(default_factory=list)
+    # Per attention layer, what attention reads beyond the backend's plain row (None: plain).
+    prefix_cells: list[PrefixCells | None] = field(default_factory=list)
     reuse_count: int = 0
     active_children: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    owner: str = ""  # who sent the parent (fair eviction); "" = anonymous
 
     @property
     def n(self) -> int:
         return len(self.context_ids)
-
-    @property
-    def settings(self) -> tuple[str, float, int, str]:
-        return (self.policy, self.keep_fraction, self.protected_prefix_len, self.allocation)
 
     @functools.cached_property
     def keep_positions_lists(self) -> list[list[list[int]]]:
@@ -70,17 +73,14 @@ class CompactedContext:
             "kept_entries": self.kept_per_layer,
             "slots": self.num_slots,
             "folded_entries": self.layout.borrowed_entries,  # ranks kept in another layer's empty cells
-            "policy": self.policy,
-            "keep_fraction": self.keep_fraction,
-            "protected_prefix_len": self.protected_prefix_len,
-            "allocation": self.allocation,
+            "policy": self.settings.policy,
+            "keep_fraction": self.settings.keep_fraction,
+            "protected_prefix_len": self.settings.protected_prefix_len,
+            "allocation": self.settings.allocation,
             "reuse_count": self.reuse_count,
             "active_children": self.active_children,
             "timings": self.timings,
         }
-
-
-Settings = tuple  # (policy, keep_fraction, protected_prefix_len, allocation)
 
 
 @dataclass
@@ -97,10 +97,10 @@ class ContextStore:
         return len(self.contexts)
 
     @staticmethod
-    def key_of(context_ids, settings: Settings) -> tuple:
-        return (tuple(int(t) for t in context_ids), *settings)
+    def key_of(context_ids, settings: CompactionSettings) -> tuple:
+        return (tuple(int(t) for t in context_ids), settings)
 
-    def get(self, context_ids, settings: Settings) -> CompactedContext | None:
+    def get(self, context_ids, settings: CompactionSettings) -> CompactedContext | None:
         return self.contexts.get(self.key_of(context_ids, settings))
 
     def add(self, context: CompactedContext) -> None:
@@ -109,13 +109,13 @@ class ContextStore:
             raise ValueError("context already compacted with these settings")
         self.contexts[key] = context
 
-    def longest_prefix_of(self, prompt_ids, settings: Settings) -> CompactedContext | None:
+    def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> CompactedContext | None:
         """The longest context stored with ``settings`` that the prompt strictly extends."""
         best = None
         for context in self.contexts.values():
             n = context.n
             if (
-                context.settings == tuple(settings)
+                context.settings == settings
                 and n < len(prompt_ids)
                 and (best is None or n > best.n)
                 and tuple(prompt_ids[:n]) == context.context_ids

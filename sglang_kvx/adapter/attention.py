@@ -19,25 +19,13 @@ rows must run eagerly: the plugin keeps them off captured graphs.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, NamedTuple
-
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
-
-
-class PrefixCells(NamedTuple):
-    """What one layer reads of a compacted prefix, where that differs from the row's first S slots."""
-
-    num_slots: int  # S: the prefix's slots at the start of the row
-    own: int  # this layer's ranks in its own buffer: row slots [0, own); [own, S) are masked out
-    borrowed: tuple[tuple[int, torch.Tensor], ...] = ()  # (layer_id of a buffer, slots there): its further ranks
-
-
-# (layer_id, forward_batch) -> {batch index: PrefixCells} for rows whose compacted prefix that layer reads unlike the backend.
-MaskedRows = Callable[[int, object], "dict[int, PrefixCells]"]
+from sglang_kvx.store import PrefixCells
 
 
 class PerLayerLengths:
@@ -45,28 +33,26 @@ class PerLayerLengths:
 
     __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
-    # Set once per scheduler process by the plugin (the KvxRuntime's lookup); shared by every subclass.
-    masked_rows: ClassVar[MaskedRows | None] = None
 
-
-def _masked_rows(layer, forward_batch) -> dict[int, PrefixCells]:
-    lookup = PerLayerLengths.masked_rows
-    if lookup is None or layer.is_cross_attention:
+def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
+    link = link_of(backend)  # put on every backend of a compacting scheduler (adapter/forward.py)
+    if link is None or layer.is_cross_attention:
         return {}
     if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
-    return lookup(layer.layer_id, forward_batch)
+    index = link.runtime.compactor.layer_index.get(layer.layer_id)
+    return {} if index is None else link.runtime.admission.masked_rows(index, link.batch(forward_batch))
 
 
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-    masked = _masked_rows(layer, forward_batch)
+    masked = _masked_rows(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False, **kwargs)
 
 
 def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-    masked = _masked_rows(layer, forward_batch)
+    masked = _masked_rows(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True, **kwargs)

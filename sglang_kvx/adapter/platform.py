@@ -3,7 +3,7 @@
 SGLang's in-tree CPU route needs a CPU build of sgl-kernel that PyPI does not
 ship. Being out-of-tree keeps ``is_cpu()`` false, so nothing imports sgl_kernel;
 every op falls back to its torch-native path, and GDN layers use our own
-pure-torch backend (``sglang_kvx.models.gdn_backend``).
+pure-torch backend (``sglang_kvx.adapter.gdn_backend``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-CPU_PLATFORM = "sglang_kvx.platform.cpu.KvxCpuPlatform"
+CPU_PLATFORM = "sglang_kvx.adapter.platform.KvxCpuPlatform"
 
 
 def activate() -> str | None:

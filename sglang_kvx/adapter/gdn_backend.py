@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
 
+from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.ops.gdn import causal_conv1d, causal_conv1d_step, gated_delta_rule_chunked, gated_delta_rule_step, gdn_gates
 
 
@@ -23,10 +24,6 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
 
     supports_mis = False
     needs_cpu_seq_lens = False
-    # Set by the compaction runtime when a policy reads GDN signals: called per request row of an
-    # extend with (layer, forward_batch, row, beta [t, Hv], g [t, Hv], v [t, Hv, Dv] after the conv),
-    # so the signals cost no recomputation on this backend.
-    signal_listener = None
 
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
@@ -57,6 +54,11 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
         slots = meta.mamba_cache_indices.tolist()
         prefix_lens = forward_batch.extend_prefix_lens_cpu
         g, beta = gdn_gates(layer.A_log, a, b, layer.dt_bias)
+        # A parent's recording takes beta, g and v (after the conv) as computed here: no recomputation.
+        link = link_of(self)
+        runtime = link.runtime if link is not None else None
+        recorder = runtime.recorder if runtime is not None and runtime.gdn_from_backend and runtime.recorder else None
+        rows = link.batch(forward_batch).rows if recorder is not None else None
         out = torch.zeros(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
         for i in range(len(starts) - 1):
             start, end, slot = starts[i], starts[i + 1], slots[i]
@@ -69,8 +71,8 @@ class TorchGDNAttnBackend(MambaAttnBackendBase):
                 conv_states[slot] if continues else None, layer.activation,
             )
             q, k, v = self._split_heads(x, layer)
-            if self.signal_listener is not None:
-                self.signal_listener(layer, forward_batch, i, beta[start:end], g[start:end], v)
+            if recorder is not None:
+                recorder.gdn_signals(layer.layer_id, rows[i], beta[start:end], g[start:end], v)
             state0 = ssm_states[slot].transpose(-1, -2) if continues else None
             o, state = gated_delta_rule_chunked(q, k, v, g[start:end], beta[start:end], state0)
             ssm_states[slot] = state.transpose(-1, -2).to(ssm_states.dtype)

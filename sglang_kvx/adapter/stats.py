@@ -23,7 +23,8 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
     if runtime is not None:
         total, free = stats["kv_pool_total_tokens"], stats["kv_pool_free_tokens"]
         stats["protected_prefix_len"] = config.protected_prefix_len
-        stats["kv_bytes_total"] = total * runtime.bytes_per_token
-        stats["kv_bytes_used"] = (total - free) * runtime.bytes_per_token
+        bytes_per_token = runtime.pool.bytes_per_entry * runtime.pool.num_layers
+        stats["kv_bytes_total"] = total * bytes_per_token
+        stats["kv_bytes_used"] = (total - free) * bytes_per_token
         stats.update(runtime.stats())
     return stats

@@ -1,0 +1,58 @@
+"""Request validation at the door: in the HTTP process, before a request reaches the scheduler.
+
+An AFTER hook on the tokenizer manager's own per-request validation (the narrowest point that sees
+every generate request with its token ids, for ``/generate``, ``/v1/completions`` and chat alike):
+a ValueError raised there is SGLang's 400 with our message. Refused here: a bad
+``custom_params.kvx`` (strict types, see ``sglang_kvx.settings``), token ids outside the
+vocabulary, an empty prompt asked to generate, and client request ids in the extension's
+internal namespace.
+"""
+
+from __future__ import annotations
+
+from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX
+from sglang_kvx.settings import SettingsError, parse_request_fields
+
+
+def register_door() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_kvx.adapter.contract import DOOR_HOOKS
+
+    HookRegistry.register(DOOR_HOOKS[0], after_validate_one_request, HookType.AFTER)
+
+
+def after_validate_one_request(_result, tokenizer_manager, obj, input_ids=None, *_args, **_kwargs) -> None:
+    problem = door_problem(
+        rid=getattr(obj, "rid", None),
+        sampling_params=getattr(obj, "sampling_params", None),
+        input_ids=input_ids,
+        vocab_size=int(getattr(tokenizer_manager.model_config, "vocab_size", 0) or 0),
+        generates=hasattr(obj, "return_logprob"),  # GenerateReqInput (embedding requests generate nothing)
+    )
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates: bool) -> str | None:
+    """Why a request must be refused before the scheduler (None: let it in). Pure, for the tests."""
+    rids = rid if isinstance(rid, list) else [rid]
+    if any(isinstance(r, str) and r.startswith(INTERNAL_RID_PREFIX) for r in rids):
+        return f"rid must not start with {INTERNAL_RID_PREFIX!r} (reserved for the server's internal requests)"
+    params = sampling_params if isinstance(sampling_params, dict) else {}
+    custom = params.get("custom_params")
+    if isinstance(custom, dict) and "kvx" in custom:
+        try:
+            parse_request_fields(custom["kvx"])
+        except SettingsError as exc:
+            return str(exc)
+    if input_ids is not None and generates:
+        if len(input_ids) == 0 and (params.get("max_new_tokens") is None or params.get("max_new_tokens") != 0):
+            return "the prompt is empty: send text or input_ids with at least one token"
+        if vocab_size and len(input_ids):
+            low, high = min(input_ids), max(input_ids)
+            if low < 0 or high >= vocab_size:
+                bad = low if low < 0 else high
+                shown = bad if abs(bad) < 10**12 else f"a {len(str(abs(bad)))}-digit number"
+                return f"input_ids must lie in [0, {vocab_size}) (the vocabulary); got {shown}"
+    return None

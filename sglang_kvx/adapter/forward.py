@@ -1,0 +1,47 @@
+"""How hooks find their scheduler's runtime: a link on the objects they are handed, not a global.
+
+At scheduler start the plugin puts one ``Link`` on the scheduler's request-to-token pool, on every
+attention and linear-attention layer of the model and on its attention backends. Forward batches
+are copied by SGLang between building and running, so nothing rides on them; instead the link
+keeps the view of the batch it last saw (rows read from the device once per forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_kvx.adapter.views import SGLangBatch
+
+LINK_ATTR = "_kvx_link"
+
+
+class Link:
+    """A scheduler's runtime, as its hooks reach it."""
+
+    __slots__ = ("runtime", "_batch")
+
+    def __init__(self, runtime) -> None:
+        self.runtime = runtime
+        self._batch: SGLangBatch | None = None
+
+    def batch(self, forward_batch: Any) -> SGLangBatch:
+        """The view of ``forward_batch``; copies of one batch share its row tensor, hence its view."""
+        view = self._batch
+        if view is None or view.fb.req_pool_indices is not forward_batch.req_pool_indices or view.fb.forward_mode != forward_batch.forward_mode:
+            view = self._batch = SGLangBatch(forward_batch)
+        return view
+
+
+def link_of(holder: Any) -> Link | None:
+    """The link on a pool, layer or backend (None: the extension is not active in this process)."""
+    return getattr(holder, LINK_ATTR, None)
+
+
+def runtime_of(holder: Any):
+    link = link_of(holder)
+    return link.runtime if link is not None else None
+
+
+def attach(holder: Any, link: Link) -> None:
+    # object.__setattr__: some SGLang modules (torch.nn.Module) route attribute writes through their own __setattr__.
+    object.__setattr__(holder, LINK_ATTR, link)

@@ -1,0 +1,19 @@
+"""Internal requests the extension queues through SGLang's scheduler (KVzip's reconstruction passes)."""
+
+from __future__ import annotations
+
+from array import array
+
+
+def prefill_only_request(rid: str, input_ids: list[int]):
+    """An internal prefill-only request, shaped like the tokenizer manager's."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=0, custom_params={"kvx": {"compact": False}})
+    sampling.normalize(None)
+    return TokenizedGenerateReqInput(
+        rid=rid, input_text=None, input_ids=array("q", input_ids), input_embeds=None, mm_inputs=None,
+        token_type_ids=None, sampling_params=sampling, return_logprob=False, logprob_start_len=-1,
+        top_logprobs_num=0, token_ids_logprob=None, stream=False,
+    )

@@ -1,0 +1,245 @@
+"""The plugin: what SGLang calls into, registered when SGLang loads its plugins.
+
+SGLang calls :func:`load` (entry point ``sglang.srt.plugins``) early in every
+process it starts: the launcher, the scheduler, the detokenizer. Everything
+here goes through SGLang's own extension points (``contract.py`` lists every
+target and checks it against the installed SGLang):
+
+- ``HookRegistry`` hooks on the argument parser (our ``--kvx-*`` flags) and on
+  ``ServerArgs.from_cli_args`` (validation before any model loads);
+- ``register_resolution_hook`` for CPU-platform defaults;
+- ``register_attention_backend`` for ``kvx_torch_native`` (torch attention with
+  per-layer lengths of compacted prefixes), and an AFTER hook on SGLang's backend
+  factory that gives any other full-attention backend the same per-layer lengths;
+- on the CPU platform only, a class swap of ``GDNAttnBackend`` for the pure-torch
+  GDN backend and torch stand-ins for three Triton calls (no GDN registry exists);
+- in the HTTP process, an AFTER hook on the tokenizer manager's request validation
+  (``door.py``: bad ``custom_params.kvx``, token ids outside the vocabulary, empty
+  prompts and internal request ids get a 400 before reaching the scheduler);
+- in scheduler processes, narrow hooks around the functions that decide a
+  request's prefix, positions and release (``scheduler_hooks.py``);
+- an AFTER hook on ``Scheduler.get_internal_state`` that reports our stats
+  from SGLang's real pools, and FastAPI routes on SGLang's own app.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from typing import Any
+
+from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config
+
+logger = logging.getLogger(__name__)
+
+# server_args carries the validated config to every process as bookkeeping
+# (an underscore attribute: ServerArgs pickles those along with its fields).
+CONFIG_ATTR = "_kvx_config"
+
+
+def load() -> None:
+    """Entry point of SGLang's ``sglang.srt.plugins`` group."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.from_cli_args", _around_from_cli_args, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _after_get_internal_state, HookType.AFTER
+    )
+    _register_platform_defaults()
+    _register_attention_backend()
+    _register_gdn_backend()
+    if multiprocessing.parent_process() is None:
+        _register_http_routes()
+        from sglang_kvx.adapter.door import register_door
+
+        register_door()
+    else:
+        from sglang_kvx.adapter.scheduler_hooks import register_scheduler_hooks
+
+        register_scheduler_hooks()
+
+
+# --- flags -----------------------------------------------------------------
+
+
+def _after_add_cli_args(_result: Any, parser) -> None:
+    add_cli_args(parser)
+
+
+def _around_from_cli_args(original, cls, args, *rest, **kwargs):
+    server_args = original(cls, args, *rest, **kwargs)
+    try:
+        config = build_config(
+            policy=getattr(args, "kvx_policy", "none"),
+            keep_fraction=getattr(args, "kvx_keep_fraction", "1.0"),
+            model_path=getattr(args, "model_path", None),
+            protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
+            estimator=getattr(args, "kvx_estimator", ""),
+            tp_size=int(server_args.tp_size or 1),
+        )
+    except KvxConfigError as exc:
+        # One line, argparse-style, before anything heavy starts.
+        print(f"sglang-kvx: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    attach_config(server_args, config)
+    return server_args
+
+
+def attach_config(server_args, config: KvxConfig) -> None:
+    setattr(server_args, CONFIG_ATTR, config.to_dict())
+    if config.policy != "none":
+        logger.info("sglang_kvx: policy=%s keep_fraction=%g", config.policy, config.keep_fraction)
+
+
+def config_of(server_args) -> KvxConfig:
+    """The config a process was started with (``none`` when launched without our flags)."""
+    raw = getattr(server_args, CONFIG_ATTR, None)
+    return KvxConfig(**raw) if raw else KvxConfig()
+
+
+# --- CPU platform defaults -----------------------------------------------------
+
+
+def _register_platform_defaults() -> None:
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+    @register_resolution_hook("handle_missing_default_values")
+    def _cpu_device_default(server_args, previous):
+        # SGLang's own default asks an out-of-tree platform for a torch.device
+        # and then splits it like a string; name the device first.
+        from sglang.srt.platforms import current_platform
+
+        from sglang_kvx.adapter.platform import KvxCpuPlatform
+
+        if isinstance(current_platform, KvxCpuPlatform):
+            view = resolving_view(server_args)
+            if view.device is None:
+                declare_resolution(server_args, "sglang_kvx:cpu_platform", device="cpu")
+            # SGLang picks torch_native for device "cpu" before asking the platform.
+            if view.attention_backend is None:
+                declare_resolution(server_args, "sglang_kvx:cpu_platform", attention_backend=KVX_TORCH_ATTENTION)
+            _default_cpu_thread_binding(server_args)
+        previous(server_args)
+
+
+def _default_cpu_thread_binding(server_args) -> None:
+    """More CPU ranks than NUMA nodes: SGLang refuses to start unless SGLANG_CPU_OMP_THREADS_BIND
+    names each rank's cores. Unless the user set it, split this process's cores evenly (ranks share
+    cores round-robin when there are more ranks than cores). Set before the ranks are spawned."""
+    ranks = 1
+    for size in (server_args.dp_size, server_args.tp_size, server_args.pp_size):
+        ranks *= max(1, int(size or 1))
+    if ranks == 1 or os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
+        return
+    from sglang.srt.utils.numa_utils import get_cpu_ids_by_node
+
+    if ranks <= len(get_cpu_ids_by_node()):
+        return  # SGLang's own default: one NUMA node per rank
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(sorted(os.sched_getaffinity(0)), ranks)
+    logger.info("sglang_kvx: %d CPU ranks, SGLANG_CPU_OMP_THREADS_BIND=%s", ranks, os.environ["SGLANG_CPU_OMP_THREADS_BIND"])
+
+
+def cpu_thread_binding(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for ``ranks`` ranks over ``cores``: contiguous equal shares."""
+    if not cores or ranks < 1:
+        raise ValueError(f"need cores and ranks >= 1, got {cores} and {ranks}")
+    if ranks >= len(cores):
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share = len(cores) // ranks
+    groups = [cores[r * share : (r + 1) * share] for r in range(ranks)]
+
+    def spell(group: list[int]) -> str:  # SGLang's own examples write ranges: 0-15|16-31
+        if group == list(range(group[0], group[-1] + 1)):
+            return f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0])
+        return ",".join(str(c) for c in group)
+
+    return "|".join(spell(group) for group in groups)
+
+
+KVX_TORCH_ATTENTION = "kvx_torch_native"
+
+
+def _register_attention_backend() -> None:
+    """SGLang's torch-native attention plus per-layer lengths of compacted prefixes (CPU default)."""
+    from sglang.srt.arg_groups.choices import add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if KVX_TORCH_ATTENTION in ATTENTION_BACKENDS:
+        return
+    add_attention_backend_choices([KVX_TORCH_ATTENTION])
+
+    @register_attention_backend(KVX_TORCH_ATTENTION)
+    def _create(runner):
+        from sglang_kvx.adapter.attention import KvxTorchNativeAttnBackend
+
+        return KvxTorchNativeAttnBackend(runner)
+
+
+def _on_cpu_platform() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    from sglang_kvx.adapter.platform import KvxCpuPlatform
+
+    return isinstance(current_platform, KvxCpuPlatform)
+
+
+def _register_gdn_backend() -> None:
+    """On the CPU platform, serve GDN layers with our pure-torch backend.
+
+    SGLang has no registry for GDN kernels: its hybrid wrapper builds
+    ``gdn_backend.GDNAttnBackend`` by name, so we replace that one class, and
+    the few Triton functions in CPU_STANDINS, only when the CPU platform is
+    active. GPU machines keep SGLang's own kernels untouched.
+    """
+    if not _on_cpu_platform() or multiprocessing.parent_process() is None:
+        return  # model code runs only in scheduler subprocesses
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_kvx.adapter import cpu_standins
+    from sglang_kvx.adapter.gdn_backend import TorchGDNAttnBackend
+
+    from sglang_kvx.adapter.contract import CPU_STANDINS, GDN_BACKEND_CLASS, GDN_LAYER_INIT
+
+    HookRegistry.register(GDN_BACKEND_CLASS, TorchGDNAttnBackend, HookType.REPLACE)
+    for target, name in CPU_STANDINS.items():
+        HookRegistry.register(target, getattr(cpu_standins, name), HookType.REPLACE)
+    HookRegistry.register(GDN_LAYER_INIT, _around_gdn_layer_init_on_cpu, HookType.AROUND)
+
+
+def _around_gdn_layer_init_on_cpu(original, layer, *args, **kwargs):
+    """Qwen3-Next's GDN layer builds its output norm on ``torch.get_device_module().current_device()``,
+    which is CUDA for a CUDA build of torch even on a machine without a GPU. No hook reaches that
+    one expression, so while this constructor runs (CPU platform only) the device module is CPU's."""
+    import torch
+
+    device_module = torch.get_device_module
+    torch.get_device_module = lambda device=None: torch.cpu if device is None else device_module(device)
+    try:
+        return original(layer, *args, **kwargs)
+    finally:
+        torch.get_device_module = device_module
+
+
+# --- stats -----------------------------------------------------------------------
+
+
+def _after_get_internal_state(result, scheduler, *_args, **_kwargs):
+    from sglang_kvx.adapter.forward import runtime_of
+    from sglang_kvx.adapter.stats import scheduler_stats
+
+    result.internal_state["kvx"] = scheduler_stats(
+        scheduler, config_of(scheduler.server_args), runtime_of(scheduler.req_to_token_pool)
+    )
+    return result
+
+
+def _register_http_routes() -> None:
+    from sglang.srt.entrypoints import http_server
+
+    from sglang_kvx.serve.routes import add_routes
+
+    add_routes(http_server.app, http_server.get_global_state)

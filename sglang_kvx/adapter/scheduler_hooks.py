@@ -1,0 +1,272 @@
+"""The hooks in scheduler processes: each hands SGLang's objects, as views, to the runtime.
+
+SGLang has no extension point for "this request's prefix comes from elsewhere", so compaction
+wraps the narrow functions that decide a request's prefix, positions and release. The runtime
+rides on the scheduler's request-to-token pool and on every forward batch built from it
+(``forward.py``); a hook finding none (``--kvx-policy none``) passes straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
+from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
+from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest
+
+logger = logging.getLogger(__name__)
+
+
+def register_scheduler_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    functions = globals()
+    for target, (name, kind) in SCHEDULER_HOOKS.items():
+        HookRegistry.register(target, functions[name], HookType(kind))
+
+
+# --- the runtime's life ----------------------------------------------------------------
+
+
+def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
+    from sglang_kvx.adapter.plugin import _on_cpu_platform, config_of
+
+    config = config_of(scheduler.server_args)
+    if not config.enabled:
+        return
+    check_applied()  # compaction without every hook would be wrong: refuse to start
+    runtime = build_runtime(scheduler, config)
+    # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
+    runtime.gdn_from_backend = _on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
+    link = Link(runtime)
+    runner = scheduler.tp_worker.model_runner
+    for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
+        attach(holder, link)
+
+
+def link_holders(req_to_token_pool, model, attn_backend) -> list:
+    """Every object a hook is handed that can carry the link: the pool, the attention and
+    linear-attention layers (with their decoder layers' ``attn``), and the attention backends."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+    holders = [req_to_token_pool]
+    holders += [m for m in model.modules() if isinstance(m, (RadixAttention, RadixLinearAttention))]
+    pending = [attn_backend]
+    while pending:
+        backend = pending.pop()
+        if backend is None or any(backend is h for h in holders):
+            continue
+        holders.append(backend)
+        pending += [getattr(backend, name, None)
+                    for name in ("full_attn_backend", "linear_attn_backend", "prefill_backend", "decode_backend")]
+    return holders
+
+
+def build_runtime(scheduler, config):
+    from sglang_kvx.adapter.attention import has_per_layer_lengths
+    from sglang_kvx.adapter.model import attention_and_gdn_layer_ids, rope_inv_freq
+    from sglang_kvx.config import traits_of_config
+    from sglang_kvx.serve.runtime import Runtime
+    from sglang_kvx.settings import ServerDefaults
+
+    runner = scheduler.tp_worker.model_runner
+    hf = runner.model_config.hf_text_config
+    attention_ids, gdn_ids = attention_and_gdn_layer_ids(runner.model_config.hf_config)
+    pool = SGLangKVPool(scheduler, attention_ids)
+    defaults = ServerDefaults(
+        policy=config.policy, keep_fraction=config.keep_fraction, protected_prefix_len=config.protected_prefix_len,
+        model_signals=traits_of_config(runner.model_config.hf_config.to_dict()).signals,
+        tp_size=int(scheduler.tp_size), per_layer_lengths=has_per_layer_lengths(runner.attn_backend),
+    )
+
+    def submit(rid: str, input_ids: list[int]) -> None:
+        from sglang_kvx.adapter.internal_requests import prefill_only_request
+
+        scheduler.handle_generate_request(prefill_only_request(rid, input_ids))
+
+    return Runtime(
+        config, pool, defaults, num_rows=scheduler.req_to_token_pool.size + 1, num_q_heads=hf.num_attention_heads,
+        attention_layer_ids=attention_ids, gdn_layer_ids=gdn_ids, rope_inv_freq=rope_inv_freq(hf, pool.head_dim),
+        submit=submit, tokenizer=getattr(scheduler, "tokenizer", None), context_len=scheduler.model_config.context_len,
+    )
+
+
+def around_flush_cache(original, scheduler, *args, **kwargs):
+    result = original(scheduler, *args, **kwargs)
+    runtime = runtime_of(scheduler.req_to_token_pool)
+    if runtime is not None and scheduler.token_to_kv_pool_allocator.available_size() == scheduler.max_total_num_tokens:
+        runtime.forget_all()  # SGLang cleared every pool: the store's slots went with them
+    return result
+
+
+def after_session_held_tokens(held, observer, *_args, **_kwargs):
+    # SGLang's idle leak check balances the pool against what the tree and sessions hold; the
+    # store holds slots the way a session does.
+    runtime = runtime_of(observer.tree_cache.req_to_token_pool)
+    return held + (runtime.held_slots() if runtime is not None else 0)
+
+
+# --- a request's prefix, rows and release ------------------------------------------------
+
+
+def around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):
+    runtime = runtime_of(tree_cache.req_to_token_pool) if tree_cache is not None else None
+    if runtime is None or not runtime.before_round(SGLangRequest(req)):
+        return original(req, tree_cache, cow_mamba)
+    # A child: refresh its (rewritten) fill ids without touching the tree, take an empty match at
+    # the root, then claim the stored rank slots as its protected prefix.
+    from array import array
+
+    from sglang.srt.mem_cache.common import match_kv_cache
+
+    original(req, None, cow_mamba)
+    match_kv_cache(req, tree_cache, array("q"), cow_mamba=False, max_prefix_len=0)
+    num_slots = req._kvx_state.context.num_slots
+    req.prefix_len = num_slots
+    req.num_matched_prefix_tokens = num_slots
+    req.kv.cache_protected_len = num_slots  # SGLang frees only what lies past it
+
+
+def around_prefix_device_indices(original, tree_cache, req):
+    runtime = runtime_of(tree_cache.req_to_token_pool)
+    slots = runtime.admission.child_prefix_slots(SGLangRequest(req)) if runtime is not None else None
+    return original(tree_cache, req) if slots is None else slots
+
+
+def after_alloc_for_extend(result, batch, *_args, **_kwargs):
+    runtime = runtime_of(batch.req_to_token_pool)
+    if runtime is not None:
+        runtime.after_alloc([SGLangRequest(req) for req in batch.reqs])
+    return result
+
+
+def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
+    runtime = runtime_of(tree_cache.req_to_token_pool)
+    if runtime is not None:
+        runtime.before_release(SGLangRequest(req))
+    return original(req, tree_cache, *args, **kwargs)
+
+
+# --- forward time ----------------------------------------------------------------------
+
+
+def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_args, **kwargs):
+    model_runner = model_runner if model_runner is not None else kwargs.get("model_runner")
+    runtime = runtime_of(model_runner.req_to_token_pool)
+    if runtime is None:
+        return forward_batch
+    # Children's tokens continue from the true context length (RoPE), not the compacted one.
+    if runtime.admission.any_offsets and forward_batch.positions is not None and forward_batch.req_pool_indices is not None:
+        offsets = runtime.admission.position_offset[forward_batch.req_pool_indices.to(torch.long)]
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            forward_batch.positions = forward_batch.positions + offsets
+        elif mode.is_extend():
+            per_token = torch.repeat_interleave(offsets, forward_batch.extend_seq_lens.to(torch.long))
+            forward_batch.positions = forward_batch.positions + per_token[: forward_batch.positions.shape[0]]
+        else:
+            raise NotImplementedError(f"sglang_kvx: forward mode {mode} with compacted children")
+    return forward_batch
+
+
+def after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
+    link = link_of(layer)
+    if link is None or not link.runtime.recorder:
+        return output
+    runtime = link.runtime
+    index = runtime.compactor.layer_index.get(layer.layer_id)
+    if index is None:
+        return output
+    batch = link.batch(forward_batch)
+    runtime.recorder.attention(index, q, batch, layer.tp_q_head_num, layer.qk_head_dim, layer.scaling)
+    gate = layer.__dict__.pop("_kvx_pending_gate", None)  # Qwen3-Next's, left by after_qwen3_next_prepare
+    if gate is not None:
+        runtime.recorder.output_gate(index, gate, batch)
+    return output
+
+
+def around_linear_attention(original, layer, forward_batch, *args, **kwargs):
+    link = link_of(layer)
+    runtime = link.runtime if link is not None else None
+    if runtime is not None and runtime.recorder and not runtime.gdn_from_backend:
+        names = ("mixed_qkv", "a", "b")
+        values = dict(zip(names, args))
+        values.update({name: kwargs[name] for name in names if name in kwargs})
+        runtime.recorder.gdn_inputs(layer, link.batch(forward_batch), values["mixed_qkv"], values["a"], values["b"])
+    return original(layer, forward_batch, *args, **kwargs)
+
+
+def after_prepare_qkv_gate(result, decoder_layer, positions, hidden_states, forward_batch, *args, **kwargs):
+    link = link_of(decoder_layer.attn)
+    if link is not None and link.runtime.recorder and result[3] is not None:
+        index = link.runtime.compactor.layer_index.get(decoder_layer.attn.layer_id)
+        if index is not None:
+            link.runtime.recorder.output_gate(index, result[3], link.batch(forward_batch))
+    return result
+
+
+def after_qwen3_next_prepare(result, decoder_layer, *args, **kwargs):
+    # (q, k, v, gate), or None when the fused prologue declines and the native one runs instead.
+    # Neither sees the forward batch: the gate waits on the layer for its RadixAttention.forward.
+    link = link_of(decoder_layer.attn)
+    if link is not None and link.runtime.recorder and result is not None and result[3] is not None:
+        object.__setattr__(decoder_layer.attn, "_kvx_pending_gate", result[3])
+    return result
+
+
+def after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs):
+    """Every full-attention backend SGLang builds gets per-layer lengths (``attention.py``) when
+    compaction is on; MLA backends keep their own layout and stay as built (flat budgets only)."""
+    from sglang_kvx.adapter.plugin import config_of
+
+    if model_runner is None or not config_of(model_runner.server_args).enabled or model_runner.use_mla_backend:
+        return backend
+    from sglang_kvx.adapter.attention import with_per_layer_lengths
+
+    return with_per_layer_lengths(backend)
+
+
+def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
+    """A captured graph replays the backend's own kernels: a batch reading a compacted prefix with
+    per-layer lengths runs eagerly instead."""
+    if not original(graph_runner, forward_batch, *args, **kwargs):
+        return False
+    link = link_of(graph_runner.model_runner.req_to_token_pool)
+    return link is None or not link.runtime.admission.needs_per_layer_lengths(link.batch(forward_batch))
+
+
+def around_dp_routing(original, controller, req):
+    """Send a compacted context's children to the DP rank that holds it (``serve/affinity.py``)."""
+    sampling_params = getattr(req, "sampling_params", None)
+    if getattr(req, "routed_dp_rank", None) is None and sampling_params is not None and getattr(req, "input_ids", None):
+        affinity = controller.__dict__.get("_kvx_affinity")
+        if affinity is None:
+            from sglang_kvx.adapter.plugin import config_of
+            from sglang_kvx.serve.affinity import ContextAffinity
+
+            affinity = controller.__dict__["_kvx_affinity"] = (
+                ContextAffinity() if config_of(controller.server_args).enabled else False
+            )
+        if affinity is not False:
+            rank = affinity.route(list(req.input_ids), marks_context(sampling_params), list(controller._active_workers))
+            if rank is not None:
+                req.routed_dp_rank = rank
+    return original(controller, req)
+
+
+def marks_context(sampling_params) -> bool:
+    """Whether a request is a parent: prefill-only unless ``{"kvx": {"compact": ...}}`` says otherwise
+    (a request with bad fields is refused at the door and in the scheduler; here it is no parent)."""
+    from sglang_kvx.settings import SettingsError, request_fields_of
+
+    try:
+        fields = request_fields_of(getattr(sampling_params, "custom_params", None))
+    except SettingsError:
+        return False
+    if fields.compact is not None:
+        return fields.compact
+    return getattr(sampling_params, "max_new_tokens", None) == 0

@@ -1,0 +1,198 @@
+"""The ``ports`` views built from SGLang's objects: its pools, a ``Req``, a ``ForwardBatch``.
+
+Every SGLang field the runtime reads or writes is named here and nowhere else outside the adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from sglang_kvx.ports import Segment
+
+STATE_ATTR = "_kvx_state"  # on a Req: its serve.admission.RequestState
+
+
+class SGLangKVPool:
+    """One scheduler's KV pool (by attention-layer index), token allocator, prefix cache and state pool."""
+
+    def __init__(self, scheduler, attention_layer_ids: list[int]) -> None:
+        runner = scheduler.tp_worker.model_runner
+        self._kv = runner.token_to_kv_pool
+        self._allocator = scheduler.token_to_kv_pool_allocator
+        self._tree = scheduler.tree_cache
+        self._req_to_token = scheduler.req_to_token_pool.req_to_token
+        self._req_to_token_pool = scheduler.req_to_token_pool
+        self._state_pool = getattr(scheduler.req_to_token_pool, "mamba_pool", None)
+        self._layer_ids = list(attention_layer_ids)
+        self.num_layers = len(self._layer_ids)
+        first = self._kv.get_key_buffer(self._layer_ids[0])
+        self.num_kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[2])
+        self.device = first.device
+        self.bytes_per_entry = 2 * self.num_kv_heads * self.head_dim * first.element_size()
+        self.has_state = self._state_pool is not None
+
+        def kinds(buffer_of) -> set:
+            return {(tuple(buffer_of(i).shape[1:]), buffer_of(i).dtype, buffer_of(i).device) for i in self._layer_ids}
+
+        self.can_fold = len(kinds(self._kv.get_key_buffer)) == 1 and len(kinds(self._kv.get_value_buffer)) == 1
+
+    def layer_id(self, layer: int) -> int:
+        return self._layer_ids[layer]
+
+    def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return self._kv.get_key_buffer(self._layer_ids[layer])[slots]
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_id = self._layer_ids[layer]
+        return self._kv.get_key_buffer(layer_id)[slots], self._kv.get_value_buffer(layer_id)[slots]
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        layer_id = self._layer_ids[layer]
+        self._kv.get_key_buffer(layer_id)[slots] = keys
+        self._kv.get_value_buffer(layer_id)[slots] = values
+
+    def row(self, row: int, length: int) -> torch.Tensor:
+        return self._req_to_token[row, :length].to(torch.long)
+
+    def alloc(self, count: int) -> torch.Tensor | None:
+        slots = self._allocator.alloc(count)
+        return None if slots is None else slots.to(torch.long)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self._allocator.free(slots)
+
+    def room(self) -> int:
+        return int(self._allocator.available_size() + self._tree.evictable_size())
+
+    def _state_slot(self, request: "SGLangRequest") -> torch.Tensor:
+        index = request.req.kv.mamba_pool_idx.reshape(1).to(torch.long)
+        translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
+        return translate(index) if translate is not None else index
+
+    def snapshot_state(self, request: "SGLangRequest") -> Any:
+        return self._state_pool.get_cpu_copy(self._state_slot(request))
+
+    def restore_state(self, request: "SGLangRequest", snapshot: Any) -> None:
+        self._state_pool.load_cpu_copy(snapshot, self._state_slot(request))
+        # SGLang zeroes a fresh request's state slot later in the same prepare step (a deferred
+        # clear); this slot now holds the parent's state instead.
+        request.req.kv.mamba_needs_clear = False
+
+
+class SGLangRequest:
+    """A ``Req`` as the runtime sees it (built per call: it holds nothing but the Req)."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req) -> None:
+        self.req = req
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def input_ids(self) -> Sequence[int]:
+        return self.req.origin_input_ids
+
+    @property
+    def custom_params(self) -> Any:
+        return getattr(self.req.sampling_params, "custom_params", None)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.req.sampling_params.max_new_tokens
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self.req.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.req.finished()
+
+    @property
+    def aborted(self) -> bool:
+        reasons = (getattr(self.req, "finished_reason", None), self.req.to_finish)
+        return any(reason is not None and type(reason).__name__ == "FINISH_ABORT" for reason in reasons)
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req.kv.holds_kv
+
+    @property
+    def row(self) -> int:
+        return int(self.req.kv.req_pool_idx)
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.req.prefix_len)
+
+    @property
+    def owned_from(self) -> int:
+        return int(self.req.kv.cache_protected_len)
+
+    @owned_from.setter
+    def owned_from(self, value: int) -> None:
+        self.req.kv.cache_protected_len = value  # SGLang frees only what lies past it
+
+    @property
+    def state(self) -> Any:
+        return getattr(self.req, STATE_ATTR, None)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        setattr(self.req, STATE_ATTR, value)
+
+    def abort(self, message: str) -> None:
+        self.req.set_finish_with_abort(message)
+
+    def keep_out_of_tree(self) -> None:
+        self.req.skip_radix_cache_insert = True
+
+    def replace_input_ids(self, ids: Sequence[int]) -> None:
+        from array import array
+
+        self.req.origin_input_ids = array("q", ids)
+
+    def hide_from_client(self) -> None:
+        self.req.finished_output = True  # SGLang sends nothing of it to the tokenizer manager
+
+
+class SGLangBatch:
+    """A ``ForwardBatch`` as the recorder and attention see it; host lists read once, lazily."""
+
+    __slots__ = ("fb", "_rows", "_segments")
+
+    def __init__(self, forward_batch) -> None:
+        self.fb = forward_batch
+        self._rows: list[int] | None = None
+        self._segments: list[Segment] | None = None
+
+    @property
+    def is_extend(self) -> bool:
+        return self.fb.forward_mode.is_extend()
+
+    @property
+    def is_decode(self) -> bool:
+        return self.fb.forward_mode.is_decode()
+
+    @property
+    def rows(self) -> list[int]:
+        if self._rows is None:
+            self._rows = self.fb.req_pool_indices.tolist()  # one host read per batch view
+        return self._rows
+
+    @property
+    def segments(self) -> list[Segment]:
+        if self._segments is None:
+            fb = self.fb
+            starts = fb.extend_start_loc.tolist()
+            self._segments = [
+                Segment(index=i, row=row, start=starts[i], length=fb.extend_seq_lens_cpu[i],
+                        prefix_len=fb.extend_prefix_lens_cpu[i])
+                for i, row in enumerate(self.rows)
+            ]
+        return self._segments

@@ -1,0 +1,110 @@
+"""The few views of SGLang's objects that the rest of the package talks to.
+
+``sglang_kvx.adapter`` builds them from SGLang's scheduler, requests and forward batches (it is the
+only package that names SGLang); a unit test builds them from plain tensors. Layers are indexed
+among the attention layers (0 = the model's first full-attention layer); slots are LongTensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+class KVPool(Protocol):
+    """One scheduler's KV pool, allocator and (on hybrid models) recurrent-state pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_entry: int  # one position's keys and values in one attention layer, all KV heads
+    can_fold: bool  # every attention layer's entries share one shape and dtype (compact/layout.py)
+    has_state: bool  # GDN / conv states to snapshot and restore (hybrid models)
+    device: torch.device
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``slots`` in attention layer ``layer``: each [len, kv_heads, D], pool dtype."""
+        ...
+
+    def read_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor: ...
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def layer_id(self, layer: int) -> int:
+        """The model's layer index of attention layer ``layer`` (what attention kernels are told)."""
+        ...
+
+    def row(self, row: int, length: int) -> torch.Tensor:
+        """The slots of a request row's first ``length`` positions."""
+        ...
+
+    def alloc(self, count: int) -> torch.Tensor | None: ...
+
+    def free(self, slots: torch.Tensor) -> None: ...
+
+    def room(self) -> int:
+        """Slots a waiting request can get now: free ones plus what the prefix cache can evict."""
+        ...
+
+    def snapshot_state(self, request: "Request") -> Any: ...
+
+    def restore_state(self, request: "Request", snapshot: Any) -> None: ...
+
+
+class Request(Protocol):
+    """One request, as admission, recording and compaction see it."""
+
+    rid: str
+    input_ids: Sequence[int]
+    custom_params: Any
+    max_new_tokens: int | None
+    has_output: bool
+    finished: bool
+    aborted: bool
+    holds_kv: bool
+    row: int  # its row of the request-to-slot table (valid while it holds KV)
+    prefix_len: int
+    owned_from: int  # positions before this are shared (prefix cache / store) and never freed with it
+
+    @property
+    def state(self) -> Any:
+        """The extension's per-request state (``serve.admission.RequestState``), created on first use."""
+        ...
+
+    def abort(self, message: str) -> None: ...
+
+    def keep_out_of_tree(self) -> None:
+        """Its KV is not inserted in the prefix cache at release (the store or a job holds what it keeps)."""
+        ...
+
+    def replace_input_ids(self, ids: Sequence[int]) -> None: ...
+
+    def hide_from_client(self) -> None:
+        """An internal request: nothing it produces goes to a client."""
+        ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request row's tokens in a forward batch."""
+
+    index: int  # position in the batch
+    row: int
+    start: int  # first token in the batch's flat token dimension
+    length: int
+    prefix_len: int  # tokens of that request already in the cache (its first token's position)
+
+
+class Batch(Protocol):
+    """A forward batch: which rows it runs and where their tokens are."""
+
+    is_extend: bool
+    is_decode: bool
+
+    @property
+    def rows(self) -> list[int]: ...
+
+    @property
+    def segments(self) -> list[Segment]: ...

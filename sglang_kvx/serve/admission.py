@@ -1,0 +1,214 @@
+"""Admission: which requests are parents, children or plain, and what a child reads.
+
+A *parent* (a prefill-only request, or one asking ``{"kvx": {"compact": true}}``) is compacted at
+release. A *child* (its prompt strictly extends a stored context compacted under its settings)
+takes the context's S rank slots as a cached prefix: its context tokens are replaced by S
+placeholders, its own tokens keep their true positions (offset n - S) and its recurrent state
+starts from the parent's snapshot. Room for a waiting request is made by evicting idle stored
+contexts, least recently used first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sglang_kvx.ports import Batch, KVPool, Request
+from sglang_kvx.settings import CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_settings
+from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """The extension's state of one request, parsed once when it is first admitted."""
+
+    fields: RequestFields
+    parent: bool
+    settings: CompactionSettings | None = None  # resolved for parents, and for children while the store is non-empty
+    context: CompactedContext | None = None  # the stored context a child (or a KVzip pass) reads
+    internal: bool = False  # a KVzip reconstruction pass
+    checked: bool = False  # a parent's settings were validated against its context
+
+
+class Admission:
+    def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, num_rows: int,
+                 parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None) -> None:
+        self.pool = pool
+        self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
+        self.store = store
+        self.defaults = defaults
+        self.evicted = 0
+        self.row_context: dict[int, CompactedContext] = {}  # request row -> the compacted prefix it reads
+        # True-position offset of each request row's tokens (n - S for a child, else 0).
+        self.position_offset = torch.zeros(num_rows, dtype=torch.int64, device=pool.device)
+
+    # --- state -------------------------------------------------------------------
+
+    def state_of(self, request: Request) -> RequestState | None:
+        """The request's state, parsed on first sight; None (and the request aborted) when its fields are bad."""
+        state = request.state
+        if state is None:
+            try:
+                fields = request_fields_of(request.custom_params)
+            except SettingsError as exc:
+                request.abort(f"sglang_kvx: {exc}")
+                return None
+            parent = fields.compact if fields.compact is not None else request.max_new_tokens == 0
+            state = request.state = RequestState(fields=fields, parent=parent)
+        return state
+
+    def settings_of(self, request: Request, state: RequestState) -> CompactionSettings | None:
+        if state.settings is None:
+            try:
+                state.settings = resolve_settings(state.fields, self.defaults)
+            except (SettingsError, ValueError) as exc:
+                request.abort(f"sglang_kvx: {exc}")
+                return None
+        return state.settings
+
+    # --- entering a prefill --------------------------------------------------------
+
+    def before_round(self, request: Request, internal_context: CompactedContext | None = None) -> bool:
+        """Before SGLang matches a request's prefix: True when it is a child whose prefix the caller
+        takes from the store instead of the prefix cache."""
+        state = request.state
+        if state is not None and state.context is not None:
+            return not request.holds_kv
+        if request.has_output or request.finished:
+            return False
+        state = self.state_of(request)
+        if state is None:
+            return False
+        wanted = len(request.input_ids) + (request.max_new_tokens or 0)
+        if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
+            self.make_room(len(request.input_ids) - internal_context.n, keep=internal_context)
+            request.keep_out_of_tree()
+            request.hide_from_client()
+            state.internal = True
+            self._adopt(state, internal_context)
+            return True
+        if state.parent:
+            self.make_room(wanted)
+            self._check_parent(request, state)
+            return False
+        context = None
+        if len(self.store) and not state.fields.wants_full_cache:
+            settings = self.settings_of(request, state)
+            if settings is None:
+                return False
+            context = self.store.longest_prefix_of(request.input_ids, settings)
+        if context is None:
+            self.make_room(wanted)
+            return False
+        # Room for the child's own tokens, never by evicting the context it is about to read.
+        self.make_room(wanted - context.n, keep=context)
+        # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
+        question = list(request.input_ids[context.n :])
+        request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
+        request.keep_out_of_tree()  # its prefix is the store's, not the tree's
+        context.reuse_count += 1
+        self._adopt(state, context)
+        return True
+
+    @staticmethod
+    def _adopt(state: RequestState, context: CompactedContext) -> None:
+        state.context = context
+        context.active_children += 1
+        context.last_used = time.monotonic()
+
+    def make_room(self, tokens: int, keep: CompactedContext | None = None) -> None:
+        """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
+        what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
+        SGLang retries a request that does not fit, so this runs again until it does."""
+        while self.pool.room() < tokens:
+            idle = [c for c in self.store.contexts.values() if c.active_children == 0 and c is not keep]
+            if not idle:
+                return
+            victim = min(idle, key=lambda c: c.last_used)
+            self.store.remove(victim)
+            self.pool.free(victim.slots)
+            self.evicted += 1
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def _check_parent(self, request: Request, state: RequestState) -> None:
+        if state.checked:
+            return
+        state.checked = True
+        settings = self.settings_of(request, state)
+        if settings is None:
+            return
+        n = len(request.input_ids)
+        if settings.protected_prefix_len >= n:
+            request.abort(
+                f"sglang_kvx: protected prefix of {settings.protected_prefix_len} tokens leaves nothing to compact "
+                f"in the {n}-token context"
+            )
+            return
+        problem = self.parent_check(settings, n)
+        if problem is not None:
+            request.abort(f"sglang_kvx: {problem}")
+
+    def child_prefix_slots(self, request: Request) -> torch.Tensor | None:
+        state = request.state
+        context = state.context if state is not None else None
+        return None if context is None else context.slots[: request.prefix_len]
+
+    def place(self, request: Request) -> CompactedContext | None:
+        """Its row is assigned: record the row's position offset; a child's recurrent state starts from
+        the parent's snapshot. Returns the context a child reads (None for others)."""
+        row = request.row
+        state = request.state
+        context = state.context if state is not None else None
+        if context is None:
+            self.row_context.pop(row, None)
+            self.position_offset[row] = 0
+            return None
+        self.position_offset[row] = context.n - context.num_slots
+        self.row_context[row] = context
+        if context.gdn_snapshot is not None and request.prefix_len == context.num_slots:
+            self.pool.restore_state(request, context.gdn_snapshot)
+        return context
+
+    def release_child(self, request: Request) -> None:
+        context = request.state.context
+        if request.finished:
+            context.active_children -= 1
+        if request.holds_kv:
+            self.position_offset[request.row] = 0
+            self.row_context.pop(request.row, None)
+
+    # --- what attention reads ------------------------------------------------------
+
+    @property
+    def any_offsets(self) -> bool:
+        """Whether some running row reads a compacted prefix (positions to shift); no device sync."""
+        return bool(self.row_context)
+
+    def masked_rows(self, layer: int, batch: Batch) -> dict[int, PrefixCells]:
+        """Batch index -> PrefixCells for each row reading a compacted prefix that attention layer
+        ``layer`` reads other than as its S slots (masked ranks, borrowed cells). Looks at the
+        batch's rows only while a child of such a context runs."""
+        if not any(context.needs_masked_attention for context in self.row_context.values()):
+            return {}
+        found = {}
+        for i, row in enumerate(batch.rows):
+            context = self.row_context.get(row)
+            if context is not None and context.prefix_cells[layer] is not None:
+                found[i] = context.prefix_cells[layer]
+        return found
+
+    def needs_per_layer_lengths(self, batch: Batch) -> bool:
+        if not any(context.needs_masked_attention for context in self.row_context.values()):
+            return False
+        return any(self.row_context[row].needs_masked_attention for row in batch.rows if row in self.row_context)
+
+    def forget_all(self) -> None:
+        self.store.contexts.clear()
+        self.row_context.clear()
+        self.position_offset.zero_()

@@ -1,0 +1,186 @@
+"""The extension inside one SGLang scheduler: admission, recording, compaction and KVzip's passes, wired.
+
+The adapter (``sglang_kvx.adapter``) calls these few methods from SGLang's scheduler with views of
+its objects; each concern lives in its own module:
+  admission   serve/admission.py    parents, children, room, a child's prefix and positions
+  recording   signals/recorder.py   what a policy reads from inside the prefill
+  compaction  compact/compactor.py  read -> score -> allocate -> select -> fold -> gather -> store
+  KVzip       compact/second_pass.py  internal reconstruction requests, then the compactor
+Any exception in the extension's own work on one request or context is contained to it: the
+context stays uncompacted with the reason in ``/kvx/stats``, and the scheduler goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sglang_kvx.compact.compactor import Compactor
+from sglang_kvx.compact.second_pass import PASS_CAPTURE, KVzipSecondPass
+from sglang_kvx.config import KvxConfig, make_policy
+from sglang_kvx.policies import KVPolicy, get_policy
+from sglang_kvx.allocate import allocation_needs
+from sglang_kvx.ports import KVPool, Request
+from sglang_kvx.serve.admission import Admission, RequestState
+from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.signals import CaptureSpec
+from sglang_kvx.signals.recorder import SignalRecorder
+from sglang_kvx.store import ContextStore
+
+logger = logging.getLogger(__name__)
+
+MAX_ERRORS_KEPT = 32
+
+
+class Runtime:
+    def __init__(self, config: KvxConfig, pool: KVPool, defaults: ServerDefaults, *, num_rows: int,
+                 num_q_heads: int, attention_layer_ids: list[int], gdn_layer_ids: list[int],
+                 rope_inv_freq: Callable[[], torch.Tensor], submit: Callable[[str, list[int]], None],
+                 tokenizer: Any, context_len: int) -> None:
+        self.config = config
+        self.pool = pool
+        self.defaults = defaults
+        self.store = ContextStore()
+        self._policies: dict[str, KVPolicy] = {}
+        self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem)
+        self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
+        self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
+                                   defaults.per_layer_lengths)
+        self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
+                                     context_len, self._failed)
+        # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
+        # has the recorder recompute them from each GDN layer's inputs.
+        self.gdn_from_backend = False
+        self.skipped_no_room = 0
+        self.errors: list[str] = []  # why compactions failed (the context then stays uncompacted)
+        self.failures = 0
+
+    def policy(self, name: str) -> KVPolicy:
+        if name not in self._policies:
+            self._policies[name] = make_policy(name, self.config)
+        return self._policies[name]
+
+    def _failed(self, reason: str) -> None:
+        self.failures += 1
+        self.errors = (self.errors + [reason])[-MAX_ERRORS_KEPT:]
+
+    # --- requests entering ---------------------------------------------------------
+
+    def before_round(self, request: Request) -> bool:
+        return self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
+
+    def _parent_problem(self, settings: CompactionSettings, n: int) -> str | None:
+        """Why a parent cannot be compacted under ``settings`` beyond what admission checks (KVzip's pass length)."""
+        if get_policy(settings.policy).second_pass:
+            return self.kvzip.check_fits(n, settings.protected_prefix_len)
+        return None
+
+    def after_alloc(self, requests: Sequence[Request]) -> None:
+        """Rows are assigned: offsets and recurrent states of children; recordings of parents."""
+        for request in requests:
+            context = self.admission.place(request)
+            state = request.state
+            if state is None or request.finished:
+                continue
+            if context is not None and state.internal:
+                self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
+            elif context is None and state.parent and state.settings is not None:
+                self.recorder.start(request.row, len(request.input_ids), self.capture_spec(state.settings))
+
+    def capture_spec(self, settings: CompactionSettings) -> CaptureSpec:
+        return self.policy(settings.policy).captures() | CaptureSpec.for_signals(allocation_needs(settings.allocation))
+
+    # --- requests leaving ---------------------------------------------------------------
+
+    def before_release(self, request: Request) -> None:
+        state = request.state
+        if state is None:
+            return
+        if state.context is not None:
+            if state.internal and request.rid in self.kvzip.jobs:
+                self._contained(lambda: self.kvzip.finish_pass(request), request)
+            self.admission.release_child(request)
+            return
+        if not (request.finished and state.parent and request.holds_kv):
+            return
+        if request.aborted or state.settings is None:
+            self.recorder.take(request.row)
+            return
+        self._contained(lambda: self._compact_parent(request, state), request)
+
+    def _contained(self, work: Callable[[], None], request: Request) -> None:
+        try:
+            work()
+        except Exception as exc:  # one bad context must not stop the scheduler serving everyone else
+            self.recorder.take(request.row)
+            self._failed(f"{type(exc).__name__}: {exc}")
+            logger.exception("sglang_kvx: compaction of a %d-token context failed; it stays uncompacted",
+                             len(request.input_ids))
+
+    def _compact_parent(self, request: Request, state: RequestState) -> None:
+        settings = state.settings
+        if self.store.get(request.input_ids, settings) is not None:
+            self.recorder.take(request.row)
+            request.keep_out_of_tree()  # the compacted copy already serves this context
+            return
+        if get_policy(settings.policy).second_pass:
+            if not self.kvzip.start(request, settings):
+                self.skipped_no_room += 1
+            return
+        recording = self.recorder.take(request.row)
+        n = len(request.input_ids)
+        context_slots = self.pool.row(request.row, n)
+        context = self.compactor.compact(
+            tuple(int(t) for t in request.input_ids), context_slots, settings,
+            take_slots=lambda count: self._rank_slots(request, context_slots, count),
+            fill_signals=lambda signals: recording.fill(signals, self.compactor.gdn_layer_ids,
+                                                        self.compactor.attention_layer_ids) if recording else None,
+            gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
+            timings={"capture_s": recording.seconds if recording is not None else 0.0},  # inside the prefill
+        )
+        if context is None:
+            self.skipped_no_room += 1
+            return
+        self.store.add(context)
+        request.keep_out_of_tree()  # SGLang frees every other slot of the full context
+
+    def _rank_slots(self, request: Request, context_slots: torch.Tensor, count: int) -> torch.Tensor | None:
+        """Slots for the compacted context. Prefer the parent's own: the copy gathers the kept entries
+        into the first S slots the parent owns (everything is read before it writes), so compaction
+        needs no pool slots beyond the prefill's. Fresh slots only when the parent owns too few (most
+        of its context was a prefix-cache hit)."""
+        owned_start = request.owned_from
+        if len(context_slots) - owned_start >= count:
+            slots = context_slots[owned_start : owned_start + count].clone()
+            request.owned_from = owned_start + count  # SGLang frees the row past it: keep these out
+            return slots
+        return self.pool.alloc(count)
+
+    # --- store lifetime ----------------------------------------------------------------
+
+    def held_slots(self) -> int:
+        """Pool slots held outside SGLang's tree and requests: the store's and KVzip's held contexts."""
+        return self.store.slots_held() + self.kvzip.held_slots()
+
+    def forget_all(self) -> None:
+        """After SGLang flushed its pools (every slot is free again), drop every reference to them."""
+        self.admission.forget_all()
+        self.kvzip.forget_all()
+        self.recorder.clear()
+
+    def stats(self) -> dict[str, Any]:
+        contexts = list(self.store.contexts.values())
+        return {
+            "compacted_contexts": [c.summary() for c in contexts],
+            "store_slots": self.store.slots_held(),
+            "compactions_skipped_no_room": self.skipped_no_room,
+            "compactions_failed": self.failures,
+            "last_compaction_error": self.errors[-1] if self.errors else None,
+            "contexts_evicted": self.admission.evicted,
+            "kvzip_passes_pending": len(self.kvzip.jobs),
+            # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
+            "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],
+        }

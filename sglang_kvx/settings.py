@@ -1,0 +1,179 @@
+"""A request's compaction settings: ``custom_params["kvx"]`` checked field by field, parsed once.
+
+Two steps, both pure (no SGLang):
+  ``parse_request_fields(raw)``  strict types and bounds for what a client sent (run at the door,
+                                 in the HTTP process, and again when the scheduler admits the request);
+  ``resolve_settings(fields, ...)``  the fields over the server's flags -> one frozen
+                                 ``CompactionSettings``, checked against the policy and allocation
+                                 registries, the model's signals and the server's parallelism.
+
+Every message names the request field, the expected type and the valid choices, and never echoes
+a large value back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_kvx.allocate import allocation_names, allocation_needs, allocation_tp_problem
+from sglang_kvx.policies import get_policy, servable_policy_names
+
+FIELD_PREFIX = "custom_params.kvx"
+MAX_NAME_LENGTH = 64
+
+
+class SettingsError(ValueError):
+    """A request's ``custom_params.kvx`` cannot be served; the message is one line for the client."""
+
+
+@dataclass(frozen=True)
+class CompactionSettings:
+    """How one context is compacted; also the store's key beside the context's token ids."""
+
+    policy: str
+    keep_fraction: float
+    protected_prefix_len: int
+    allocation: str
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """What a client sent in ``custom_params.kvx``, type-checked; None = not sent (the flag applies)."""
+
+    policy: str | None = None
+    keep_fraction: float | None = None
+    protected_prefix_len: int | None = None
+    allocation: str | None = None
+    compact: bool | None = None
+
+    @property
+    def wants_full_cache(self) -> bool:
+        return self.compact is False
+
+
+NO_FIELDS = RequestFields()
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: its type for containers and long strings, never the value."""
+    if isinstance(value, (dict, list, tuple)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 32 else f"a string of {len(value)} characters"
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    text = repr(value)
+    return text if len(text) <= 32 else f"a number of {len(text)} digits"
+
+
+def _name(raw: dict, field: str, choices: list[str]) -> str | None:
+    value = raw.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or value not in choices:
+        raise SettingsError(
+            f"{FIELD_PREFIX}.{field} must be a string naming one of the valid choices: {', '.join(choices)}; "
+            f"got {_short(value)}"
+        )
+    return value
+
+
+def _number(raw: dict, field: str) -> float | None:
+    value = raw.get(field)
+    if value is None:
+        return None
+    # bool is an int in Python and "0.5" is not a number: both are refused, not coerced.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise SettingsError(f"{FIELD_PREFIX}.{field} must be a number in (0, 1]; got {_short(value)}")
+    return float(value)
+
+
+def _count(raw: dict, field: str, limit: int) -> int | None:
+    value = raw.get(field)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise SettingsError(f"{FIELD_PREFIX}.{field} must be a whole number in [0, {limit}]; got {_short(value)}")
+    return value
+
+
+def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestFields:
+    """Strictly type-check a request's ``custom_params["kvx"]`` (None or absent: nothing sent)."""
+    if raw is None:
+        return NO_FIELDS
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{FIELD_PREFIX} must be a JSON object; got {_short(raw)}")
+    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact"}
+    unknown = [key for key in raw if key not in known]
+    if unknown:
+        name = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= MAX_NAME_LENGTH else "a long key"
+        raise SettingsError(f"{FIELD_PREFIX} has an unknown field {name!r}; valid fields: {', '.join(sorted(known))}")
+    compact = raw.get("compact")
+    if compact is not None and not isinstance(compact, bool):
+        raise SettingsError(f"{FIELD_PREFIX}.compact must be true or false; got {_short(compact)}")
+    return RequestFields(
+        policy=_name(raw, "policy", servable_policy_names()),
+        keep_fraction=_number(raw, "keep_fraction"),
+        protected_prefix_len=_count(raw, "protected_prefix_len", max_tokens),
+        allocation=_name(raw, "allocation", allocation_names()),
+        compact=compact,
+    )
+
+
+def request_fields_of(custom_params: Any) -> RequestFields:
+    """The parsed ``kvx`` entry of a request's ``custom_params`` (which SGLang leaves untyped)."""
+    if custom_params is None:
+        return NO_FIELDS
+    if not isinstance(custom_params, dict):
+        return NO_FIELDS  # custom_params is SGLang's; only its "kvx" entry is ours to police
+    return parse_request_fields(custom_params.get("kvx"))
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """The server's flags and what the server can do, as settings resolution needs them."""
+
+    policy: str
+    keep_fraction: float
+    protected_prefix_len: int
+    model_signals: frozenset[str]
+    tp_size: int = 1
+    per_layer_lengths: bool = True  # False on MLA backends: flat budgets only
+
+
+def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:
+    """The request's fields over the server's flags, checked against the registries and the model."""
+    policy_name = fields.policy or server.policy
+    policy_cls = get_policy(policy_name)
+    if not policy_cls.compacts:
+        raise SettingsError(
+            f"{FIELD_PREFIX}.policy is needed: the server runs without a policy; valid choices: "
+            f"{', '.join(servable_policy_names())}"
+        )
+    if server.tp_size > 1 and policy_cls.tp_unsafe:
+        raise SettingsError(
+            f"policy {policy_name!r} is not supported with --tp-size {server.tp_size} yet: {policy_cls.tp_unsafe}"
+        )
+    allocation = fields.allocation or policy_cls.allocation
+    problem = allocation_tp_problem(allocation) if server.tp_size > 1 else None
+    if problem:
+        raise SettingsError(f"allocation {allocation!r} is not supported with --tp-size {server.tp_size} yet: {problem}")
+    missing = sorted((policy_cls.needs | allocation_needs(allocation)) - server.model_signals)
+    if missing:
+        which = f"allocation {allocation!r}" if not policy_cls.needs - server.model_signals else f"policy {policy_name!r}"
+        raise SettingsError(f"{which} needs {', '.join(missing)}, which this model does not provide")
+    if allocation != "flat" and not server.per_layer_lengths:
+        raise SettingsError(
+            f"allocation {allocation!r} needs per-layer lengths, which this attention backend (MLA) cannot take; "
+            f"use allocation 'flat'"
+        )
+    return CompactionSettings(
+        policy=policy_name,
+        keep_fraction=fields.keep_fraction if fields.keep_fraction is not None else server.keep_fraction,
+        protected_prefix_len=(
+            fields.protected_prefix_len if fields.protected_prefix_len is not None else server.protected_prefix_len
+        ),
+        allocation=allocation,
+    )

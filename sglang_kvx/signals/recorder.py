@@ -1,0 +1,165 @@
+"""Recording what a policy reads from inside a parent's prefill, chunk by chunk.
+
+One ``Recording`` per parent row holds what its ``CaptureSpec`` asks for: the last queries of the
+context (SnapKV), per-key column sums of attention (H2O), query statistics (TriAttention), beta /
+g / ||v|| per GDN layer and output gates per attention layer (GateSight), every query of a KVzip
+reconstruction pass. The ``SignalRecorder`` is called by the adapter from inside SGLang's forward
+with plain tensors and a ``Batch`` view; the policy maths lives in the policy files.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from sglang_kvx.ops.gdn import causal_conv1d, gdn_gates
+from sglang_kvx.policies.h2o import add_column_sums
+from sglang_kvx.policies.triattention import combine_query_statistics, query_statistics
+from sglang_kvx.ports import Batch, KVPool, Segment
+from sglang_kvx.signals import CaptureSpec, ContextSignals, GDNLayerSignals
+
+
+class Recording:
+    """What one parent's prefill (or one KVzip pass) recorded so far."""
+
+    def __init__(self, n: int, num_layers: int, spec: CaptureSpec) -> None:
+        self.n = n
+        self.spec = spec
+        self.window_queries: list[torch.Tensor | None] = [None] * num_layers  # [w, Hq, D]
+        self.column_sums: list[torch.Tensor | None] = [None] * num_layers  # [Hq, n]
+        self.gates: dict[int, list[torch.Tensor]] = {}  # attention layer -> chunks [t, Hq]
+        self.gdn: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # GDN layer id -> chunks of (beta, g, v_norm)
+        self.query_stats: dict[int, list[Any]] = {}  # attention layer -> per-chunk QueryStatistics
+        self.conv_tail: dict[int, torch.Tensor] = {}
+        self.pass_queries: dict[int, list[torch.Tensor]] = {}  # KVzip pass: attention layer -> chunks [t, Hq, D]
+        self.scaling: dict[int, float] = {}
+        self.seconds = 0.0  # spent recording inside the forward
+
+    @staticmethod
+    def add(per_key: dict, key: int, value) -> None:
+        per_key.setdefault(key, []).append(value)
+
+    def add_window(self, layer: int, queries: torch.Tensor) -> None:
+        # Chunked prefill: a later chunk's queries push the earlier ones out of the window.
+        previous = self.window_queries[layer]
+        joined = queries if previous is None else torch.cat([previous, queries])
+        self.window_queries[layer] = joined[-self.spec.window :]
+
+    def fill(self, signals: ContextSignals, gdn_layer_ids: list[int], attention_layer_ids: list[int]) -> None:
+        """Put everything recorded into ``signals`` (a parent seen whole: n tokens per signal)."""
+        num_layers = len(attention_layer_ids)
+        if self.spec.window:
+            signals.window_queries = [w.transpose(0, 1) for w in self.window_queries]
+        if self.spec.column_sums:
+            signals.attention_column_sums = list(self.column_sums)
+        if self.spec.output_gate:
+            if len(self.gates) != num_layers:
+                raise RuntimeError("sglang_kvx: this model's attention layers reported no output gate")
+            signals.output_gate = [torch.cat(self.gates[i]) for i in range(num_layers)]
+        if self.spec.gdn:
+            signals.gdn = [
+                GDNLayerSignals(*(torch.cat([chunk[k] for chunk in self.gdn[layer_id]]) for k in range(3)))
+                for layer_id in gdn_layer_ids
+            ]
+            signals.gdn_layer_of_attention = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]
+        if self.spec.query_statistics:
+            signals.query_statistics = [combine_query_statistics(self.query_stats[i]) for i in range(num_layers)]
+
+
+class SignalRecorder:
+    """The recordings of one scheduler, by request row."""
+
+    def __init__(self, pool: KVPool, num_q_heads: int, rope_inv_freq) -> None:
+        self.pool = pool
+        self.num_q_heads = num_q_heads
+        self._rope_inv_freq = rope_inv_freq  # () -> the model's RoPE frequencies (TriAttention only)
+        self.recordings: dict[int, Recording] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.recordings)
+
+    def start(self, row: int, n: int, spec: CaptureSpec) -> None:
+        if not spec.empty and row not in self.recordings:
+            self.recordings[row] = Recording(n, self.pool.num_layers, spec)
+
+    def take(self, row: int) -> Recording | None:
+        return self.recordings.pop(row, None)
+
+    def clear(self) -> None:
+        self.recordings.clear()
+
+    def _recorded(self, batch: Batch) -> list[tuple[Segment, Recording]]:
+        if not self.recordings or not batch.is_extend:
+            return []
+        return [(seg, self.recordings[seg.row]) for seg in batch.segments if seg.row in self.recordings]
+
+    def attention(self, layer: int, q: torch.Tensor, batch: Batch, num_q_heads: int, head_dim: int, scaling: float) -> None:
+        """After attention layer ``layer`` ran (its KV is in the pool): what query-reading policies need."""
+        for seg, rec in self._recorded(batch):
+            if not rec.spec.reads_queries:
+                continue
+            t0 = time.perf_counter()
+            queries = q[seg.start : seg.start + seg.length].reshape(-1, num_q_heads, head_dim).float()
+            if rec.spec.window:
+                rec.add_window(layer, queries)
+            if rec.spec.pass_queries:
+                rec.add(rec.pass_queries, layer, queries)
+                rec.scaling[layer] = scaling
+            if rec.spec.query_statistics:
+                positions = seg.prefix_len + torch.arange(queries.shape[0], device=queries.device)
+                rec.add(rec.query_stats, layer, query_statistics(queries.transpose(0, 1), positions, self._rope_inv_freq()))
+            if rec.spec.column_sums:
+                seq_len = seg.prefix_len + seg.length
+                if rec.column_sums[layer] is None:
+                    rec.column_sums[layer] = torch.zeros(num_q_heads, rec.n, device=queries.device)
+                keys = self.pool.read_keys(layer, self.pool.row(seg.row, seq_len))
+                add_column_sums(rec.column_sums[layer], queries, keys, scaling, seg.prefix_len)
+            rec.seconds += time.perf_counter() - t0
+
+    def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Before a GDN layer runs (GPU route): recompute beta, g and ||v|| (after the causal conv, as the
+        delta rule sees v) from the layer's inputs, for every parent token in the batch."""
+        recorded = [(seg, rec) for seg, rec in self._recorded(batch) if rec.spec.gdn]
+        if not recorded:
+            return
+        if not isinstance(mixed_qkv, torch.Tensor):
+            raise NotImplementedError("sglang_kvx: GDN signal capture needs the unfused mixed_qkv projection")
+        v_channels = slice(layer.q_dim + layer.k_dim, layer.q_dim + layer.k_dim + layer.v_dim)
+        weight = layer.conv_weights[v_channels]
+        bias = layer.bias[v_channels] if layer.bias is not None else None
+        for seg, rec in recorded:
+            t0 = time.perf_counter()
+            start, length = seg.start, seg.length
+            g, beta = gdn_gates(layer.A_log, a[start : start + length], b[start : start + length], layer.dt_bias)
+            # A later prefill chunk continues the conv from the previous chunk's last inputs.
+            tail = rec.conv_tail.get(layer.layer_id)
+            v, rec.conv_tail[layer.layer_id] = causal_conv1d(
+                mixed_qkv[start : start + length, v_channels].float(), weight, bias, tail, layer.activation
+            )
+            v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
+            rec.add(rec.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
+            rec.seconds += time.perf_counter() - t0
+
+    def gdn_signals(self, layer_id: int, row: int, beta: torch.Tensor, g: torch.Tensor, v: torch.Tensor) -> None:
+        """What our CPU GDN backend computed anyway for one row of an extend (no recomputation)."""
+        rec = self.recordings.get(row)
+        if rec is None or not rec.spec.gdn:
+            return
+        t0 = time.perf_counter()
+        v = v.float()
+        # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
+        rec.add(rec.gdn, layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
+        rec.seconds += time.perf_counter() - t0
+
+    def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch) -> None:
+        """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""
+        for seg, rec in self._recorded(batch):
+            if rec.spec.output_gate:
+                t0 = time.perf_counter()
+                per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, self.num_q_heads, -1)
+                # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
+                # in place (a contiguous copy first costs ~1.5x at 4K on one core).
+                rec.add(rec.gates, layer, torch.sigmoid(per_head.float()).mean(dim=-1))
+                rec.seconds += time.perf_counter() - t0
