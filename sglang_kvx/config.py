@@ -24,6 +24,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
     "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
+    "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
 
 
@@ -38,6 +39,7 @@ class KvxConfig:
     protected_prefix_len: int = 0
     estimator: str = ""  # GateSight estimator folder; "" = find the one trained for the model
     model_path: str = ""
+    policy_modules: str = ""  # comma-separated modules registering further policies (imported in every process)
 
     @property
     def enabled(self) -> bool:
@@ -130,6 +132,17 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     return traits_of_config(json.loads(config_file.read_text()))
 
 
+def import_policy_modules(modules: str) -> None:
+    """Import each comma-separated module: importing one registers the policies it defines."""
+    import importlib
+
+    for name in filter(None, (m.strip() for m in modules.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise KvxConfigError(f"--kvx-policy-modules: cannot import {name!r} ({exc})") from None
+
+
 def build_config(
     policy: str = "none",
     keep_fraction: str | float = 1.0,
@@ -137,8 +150,10 @@ def build_config(
     protected_prefix_len: str | int = 0,
     estimator: str = "",
     tp_size: int = 1,
+    policy_modules: str = "",
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
+    import_policy_modules(policy_modules)
     choices = ", ".join(flag_choices())
     if policy not in policy_names():
         raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {choices}")
@@ -153,6 +168,7 @@ def build_config(
         protected_prefix_len=parse_protected_prefix_len(protected_prefix_len),
         estimator=str(estimator or ""),
         model_path=str(model_path or ""),
+        policy_modules=str(policy_modules or ""),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.

@@ -13,3 +13,6 @@
   internal_requests.py, engine.py, stats.py
 Importing this package imports nothing from SGLang.
 """
+
+# SGLang's own launcher, which the CLI and the test harness run as ``python -m``.
+LAUNCH_MODULE = "sglang" + ".launch_server"

@@ -79,6 +79,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
             estimator=getattr(args, "kvx_estimator", ""),
             tp_size=int(server_args.tp_size or 1),
+            policy_modules=getattr(args, "kvx_policy_modules", ""),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
@@ -97,7 +98,12 @@ def attach_config(server_args, config: KvxConfig) -> None:
 def config_of(server_args) -> KvxConfig:
     """The config a process was started with (``none`` when launched without our flags)."""
     raw = getattr(server_args, CONFIG_ATTR, None)
-    return KvxConfig(**raw) if raw else KvxConfig()
+    config = KvxConfig(**raw) if raw else KvxConfig()
+    if config.policy_modules:
+        from sglang_kvx.config import import_policy_modules
+
+        import_policy_modules(config.policy_modules)  # their policies, registered in this process too
+    return config
 
 
 # --- CPU platform defaults -----------------------------------------------------

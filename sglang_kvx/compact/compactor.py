@@ -67,7 +67,7 @@ class Compactor:
             n=len(slots), num_q_heads=self.num_q_heads, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
             keys=PoolLayers(pool.read_keys, slots, pool.num_layers),
             values=PoolLayers(lambda layer, s: pool.read(layer, s)[1], slots, pool.num_layers),
-            protected_prefix_len=protected,
+            protected_prefix_len=protected, device=pool.device,
         )
 
     def choose(self, signals: ContextSignals, settings: CompactionSettings) -> tuple[KeepSet, PrefixLayout]:

@@ -29,4 +29,4 @@ class RandomPolicy(KVPolicy):
         # A CPU generator: the same numbers whatever device the keys live on.
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + layer)
         scores = torch.rand(signals.num_kv_heads, signals.n, generator=generator)
-        return scores.to(signals.keys[layer].device)
+        return scores.to(signals.score_device)

@@ -32,7 +32,7 @@ class StreamingLLMPolicy(KVPolicy):
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         check_layer(signals, layer)
         n = signals.n
-        device = signals.keys[layer].device
+        device = signals.score_device
         scores = torch.arange(n, dtype=torch.float32, device=device)
         # Sinks score above every position (n and up), the first token highest: a budget
         # smaller than the sinks keeps the earliest ones, where the attention mass sits.

@@ -1,10 +1,12 @@
-"""Start and stop a real SGLang server process (``python -m sglang.launch_server``) on loopback.
+"""Start and stop a real SGLang server process (SGLang's own launcher, ``adapter.LAUNCH_MODULE``) on loopback.
 
 Used by the demo, the tests and the benchmarks, so all three run the same
 launcher a user runs.
 """
 
 from __future__ import annotations
+
+from sglang_kvx.adapter import LAUNCH_MODULE
 
 import os
 import signal
@@ -78,7 +80,7 @@ class ServerProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "sglang.launch_server",
+            sys.executable, "-m", LAUNCH_MODULE,
             "--model-path", self.model_path,
             "--host", "127.0.0.1", "--port", str(self.port),
             *self.args,

@@ -124,6 +124,12 @@ class ContextSignals:
     gdn_layer_of_attention: list[int] = field(default_factory=list)
     protected_prefix_len: int = 0
     rope_theta: float | None = None
+    device: torch.device | None = None  # where scores go; None = the keys' device
+
+    @property
+    def score_device(self) -> torch.device:
+        """The device of the context's tensors, without reading a layer's keys when it is known."""
+        return self.device if self.device is not None else self.keys[0].device
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,109 @@
+"""The compactor and admission run on plain views: a KV pool of tensors, no server."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_kvx.compact.compactor import Compactor
+from sglang_kvx.config import KvxConfig, make_policy
+from sglang_kvx.serve.admission import Admission
+from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.store import ContextStore
+
+
+class TensorPool:
+    """A KV pool of tensors: per layer [slots, heads, D] keys and values, one request row table."""
+
+    def __init__(self, num_layers=3, slots=64, heads=2, dim=4, row_width=32) -> None:
+        torch.manual_seed(0)
+        self.keys = [torch.randn(slots, heads, dim) for _ in range(num_layers)]
+        self.values = [torch.randn(slots, heads, dim) for _ in range(num_layers)]
+        self.rows = torch.zeros(4, row_width, dtype=torch.long)
+        self.free_slots = list(range(1, slots))
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, heads, dim
+        self.bytes_per_entry = 2 * heads * dim * 4
+        self.can_fold, self.has_state, self.device = True, False, torch.device("cpu")
+
+    def layer_id(self, layer):
+        return 10 + layer
+
+    def read_keys(self, layer, slots):
+        return self.keys[layer][slots]
+
+    def read(self, layer, slots):
+        return self.keys[layer][slots], self.values[layer][slots]
+
+    def write(self, layer, slots, keys, values):
+        self.keys[layer][slots], self.values[layer][slots] = keys, values
+
+    def row(self, row, length):
+        return self.rows[row, :length]
+
+    def alloc(self, count):
+        if count > len(self.free_slots):
+            return None
+        taken, self.free_slots = self.free_slots[:count], self.free_slots[count:]
+        return torch.tensor(taken, dtype=torch.long)
+
+    def free(self, slots):
+        self.free_slots += slots.tolist()
+
+    def room(self):
+        return len(self.free_slots)
+
+
+def test_compaction_gathers_each_heads_kept_entries_in_rank_order_into_its_own_slots():
+    pool = TensorPool()
+    n = 20
+    context_slots = pool.alloc(n)
+    before = [(k.clone(), v.clone()) for k, v in zip(pool.keys, pool.values)]
+    policy = make_policy("keydiff", KvxConfig())
+    compactor = Compactor(pool, lambda name: policy, num_q_heads=2, attention_layer_ids=[10, 11, 12],
+                          gdn_layer_ids=[], per_layer_lengths=True)
+    settings = CompactionSettings("keydiff", 0.25, 2, "flat")
+    context = compactor.compact(tuple(range(n)), context_slots, settings, take_slots=lambda s: context_slots[:s].clone(),
+                                fill_signals=lambda signals: None, gdn_snapshot=None, timings={})
+    assert context.kept_per_layer == [7, 7, 7] and context.num_slots == 7 and context.settings == settings
+    for layer, positions in enumerate(context.keep_positions):
+        keys, values = before[layer]
+        for head in range(2):
+            kept_slots = context_slots[positions[head]]
+            # Rank i of head h sits in slot i, read from the pool as it was before compaction.
+            assert torch.equal(pool.keys[layer][context.slots, head], keys[kept_slots, head])
+            assert torch.equal(pool.values[layer][context.slots, head], values[kept_slots, head])
+        assert positions[:, :2].tolist() == [[0, 1], [0, 1]]  # the protected prefix
+
+
+def test_keys_are_read_only_for_the_layers_a_policy_scores():
+    pool = TensorPool()
+    reads = []
+    original = pool.read_keys
+    pool.read_keys = lambda layer, slots: reads.append(layer) or original(layer, slots)
+    compactor = Compactor(pool, lambda name: make_policy(name, KvxConfig()), 2, [10, 11, 12], [], True)
+    signals = compactor.read_signals(pool.alloc(10), 0)
+    assert reads == []  # nothing read yet
+    signals.keys[1]
+    assert reads == [1]  # one layer, when asked
+    compactor.choose(signals, CompactionSettings("streamingllm", 0.5, 0, "flat"))
+    assert reads == [1]  # StreamingLLM reads positions only: no keys
+
+
+def test_admission_evicts_the_least_recently_used_idle_context_for_room():
+    pool = TensorPool(slots=16)
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset()), num_rows=4)
+    from sglang_kvx.compact.layout import fold_layers
+    from sglang_kvx.store import CompactedContext
+
+    contexts = []
+    for i in range(3):
+        slots = pool.alloc(5)
+        context = CompactedContext(context_ids=(i,) * 6, settings=CompactionSettings("knorm", 0.5, 0, "flat"),
+                                   slots=slots, kept_per_layer=[5, 5, 5], layout=fold_layers([5, 5, 5]))
+        context.last_used = float(i)
+        store.add(context)
+        contexts.append(context)
+    contexts[0].active_children = 1  # in use: never evicted
+    admission.make_room(6)
+    assert admission.evicted == 2 and pool.room() == 10  # oldest idle first, until it fits
+    assert list(store.contexts.values()) == [contexts[0]]

@@ -1,0 +1,40 @@
+"""One file registers a policy; the real server serves it end to end, as the HF oracle says it must."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_kvx.serve.launcher import ServerProcess
+
+from test_compaction_e2e import ask, compact, served_keep_set, stored, text
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_policy_from_one_file_is_served_and_matches_the_oracle(demo_paths, references):
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    server = ServerProcess(demo_paths["tiny-llama"], "--kvx-policy", "knorm", "--kvx-policy-modules", "throwaway_policy",
+                           "--context-length", "4096", max_total_tokens=4096, env=env)
+    server.start()
+    try:
+        ref = references["tiny-llama"]
+        context = ref.encode(text(120, seed=41))
+        context = context[: len(context) // 2 * 2]  # an even length: half the positions are even
+        compact(server, context, "_throwaway_even", 0.5)
+        assert stored(server, len(context), "_throwaway_even", 0.5)["kept_entries"] == [len(context) // 2] * 4
+        evens = torch.arange(0, len(context), 2)
+        for layer in served_keep_set(server, len(context), "_throwaway_even", 0.5):
+            assert (layer == evens).all()  # written by hand above, not by the code under test
+        question = ref.encode("Question: which word? Answer:")
+        body = ask(server, context, question, "_throwaway_even", 0.5)
+        keep = [evens.expand(2, -1).clone() for _ in range(4)]
+        expected_ids, _ = ref.compacted_generate(context, keep, question, 10)
+        assert body["output_ids"] == expected_ids
+        assert server.stats()["policy"] == "knorm"  # the flag's policy; the request chose the throwaway one
+    finally:
+        server.stop()

@@ -1,0 +1,122 @@
+"""Request settings: strict field types, one frozen settings object, door checks, real checkpoint configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_kvx.adapter.door import door_problem
+from sglang_kvx.config import traits_of_config
+from sglang_kvx.settings import (
+    CompactionSettings,
+    RequestFields,
+    ServerDefaults,
+    SettingsError,
+    parse_request_fields,
+    resolve_settings,
+)
+
+DENSE = ServerDefaults("knorm", 0.5, 0, frozenset({"keys", "values", "attention", "queries", "reconstruction"}))
+
+
+@pytest.mark.parametrize("raw,fragment", [
+    ({"policy": ["snapkv"]}, "policy must be a string"),
+    ({"policy": {"name": "snapkv"}}, "policy must be a string"),
+    ({"policy": "x" * 10_000}, "a string of 10000 characters"),
+    ({"keep_fraction": "0.5"}, "keep_fraction must be a number in (0, 1]"),
+    ({"keep_fraction": True}, "keep_fraction must be a number"),
+    ({"keep_fraction": 1.5}, "(0, 1]"),
+    ({"keep_fraction": float("nan")}, "(0, 1]"),
+    ({"protected_prefix_len": 1.5}, "whole number"),
+    ({"protected_prefix_len": -1}, "whole number"),
+    ({"protected_prefix_len": False}, "whole number"),
+    ({"compact": "false"}, "compact must be true or false"),
+    ({"compact": 0}, "compact must be true or false"),
+    ({"allocation": "pyramid"}, "valid choices"),
+    ({"polcy": "snapkv"}, "unknown field 'polcy'"),
+    ([1, 2, 3], "must be a JSON object"),
+    ("snapkv", "must be a JSON object"),
+])
+def test_bad_fields_are_refused_naming_the_field(raw, fragment):
+    with pytest.raises(SettingsError) as err:
+        parse_request_fields(raw)
+    message = str(err.value)
+    assert fragment in message and message.startswith("custom_params.kvx")
+    assert len(message) < 400  # never echoes a large value
+
+
+def test_good_fields_parse_once_into_frozen_settings():
+    fields = parse_request_fields({"policy": "snapkv", "keep_fraction": 1, "protected_prefix_len": 4, "compact": True})
+    assert fields == RequestFields(policy="snapkv", keep_fraction=1.0, protected_prefix_len=4, compact=True)
+    settings = resolve_settings(fields, DENSE)
+    assert settings == CompactionSettings("snapkv", 1.0, 4, "flat")
+    with pytest.raises(AttributeError):
+        settings.policy = "knorm"  # frozen: safe as the store's key
+    assert hash(settings) == hash(CompactionSettings("snapkv", 1.0, 4, "flat"))
+    # Unsent fields take the server's flags; the policy's own allocation applies unless named.
+    assert resolve_settings(parse_request_fields(None), DENSE) == CompactionSettings("knorm", 0.5, 0, "flat")
+    assert resolve_settings(parse_request_fields({"policy": "pyramidkv"}), DENSE).allocation == "pyramidkv"
+
+
+def test_resolution_checks_the_model_and_parallelism():
+    with pytest.raises(SettingsError, match="needs gdn, output_gate"):
+        resolve_settings(parse_request_fields({"policy": "gatesight"}), DENSE)
+    with pytest.raises(SettingsError, match="allocation 'gate' needs output_gate"):
+        resolve_settings(parse_request_fields({"allocation": "gate"}), DENSE)
+    tp = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, tp_size=2)
+    with pytest.raises(SettingsError, match="not supported with --tp-size 2"):
+        resolve_settings(parse_request_fields({"policy": "kvzip"}), tp)
+    assert resolve_settings(parse_request_fields({"policy": "snapkv"}), tp).policy == "snapkv"
+    mla = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, per_layer_lengths=False)
+    with pytest.raises(SettingsError, match="per-layer lengths"):
+        resolve_settings(parse_request_fields({"policy": "pyramidkv"}), mla)
+    plain = ServerDefaults("none", 1.0, 0, DENSE.model_signals)
+    with pytest.raises(SettingsError, match="policy is needed"):
+        resolve_settings(parse_request_fields({"keep_fraction": 0.5}), plain)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"rid": "kvx-internal-kvzip-pass-0-0"}, "rid must not start with"),
+    ({"rid": ["a", "kvx-internal-x"]}, "rid must not start with"),
+    ({"sampling_params": {"custom_params": {"kvx": {"policy": ["snapkv"]}}}}, "custom_params.kvx.policy"),
+    ({"input_ids": [1, 2, 99]}, "input_ids must lie in [0, 99)"),
+    ({"input_ids": [1, -1]}, "got -1"),
+    ({"input_ids": [1, 2**63 - 1]}, "19-digit number"),
+    ({"input_ids": []}, "the prompt is empty"),
+    ({"input_ids": [], "sampling_params": {"max_new_tokens": 5}}, "the prompt is empty"),
+])
+def test_the_door_refuses_what_would_reach_the_scheduler_broken(kwargs, fragment):
+    args = {"rid": None, "sampling_params": {}, "input_ids": [1, 2, 3], "vocab_size": 99, "generates": True, **kwargs}
+    problem = door_problem(**args)
+    assert problem is not None and fragment in problem, problem
+
+
+def test_the_door_lets_good_requests_through():
+    assert door_problem(rid="mine", sampling_params={"custom_params": {"kvx": {"policy": "knorm"}}},
+                        input_ids=[0, 98], vocab_size=99, generates=True) is None
+    # SGLang's own custom_params, and an empty prefill-only prompt, are not ours to refuse.
+    assert door_problem(rid=None, sampling_params={"custom_params": {"other": [1]}, "max_new_tokens": 0},
+                        input_ids=[], vocab_size=99, generates=True) is None
+
+
+def _hybrid(n_layers: int, **fields) -> dict:
+    return {"model_type": "qwen3_next", "num_hidden_layers": n_layers, "num_attention_heads": 16,
+            "num_key_value_heads": 2, **fields}
+
+
+def test_layer_ids_from_published_config_forms():
+    # Qwen3-Next: no layer_types, every 4th layer attends.
+    traits = traits_of_config({"architectures": ["Qwen3NextForCausalLM"], **_hybrid(8, full_attention_interval=4)})
+    assert traits.attention_layer_ids == (3, 7) and traits.gdn_layer_ids == (0, 1, 2, 4, 5, 6)
+    assert traits.has_gdn and traits.has_output_gate and traits.num_attention_layers == 2
+    # Qwen3.5: a multimodal config nesting the language model's, with explicit layer_types.
+    kinds = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "vision_config": {"depth": 2},
+              "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "layer_types": kinds,
+                              "num_attention_heads": 8, "num_key_value_heads": 2, "full_attention_interval": 4}}
+    traits = traits_of_config(nested)
+    assert traits.attention_layer_ids == (3, 7) and traits.num_kv_heads == 2 and traits.has_output_gate
+    assert traits.architecture == "Qwen3_5ForConditionalGeneration"
+    # A dense model attends in every layer, whatever else its config says.
+    dense = traits_of_config({"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4})
+    assert dense.attention_layer_ids == (0, 1, 2) and not dense.has_gdn and dense.num_kv_heads == 4

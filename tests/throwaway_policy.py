@@ -1,0 +1,16 @@
+"""A policy registered outside the package, in one file: the server imports it with --kvx-policy-modules."""
+
+import torch
+
+from sglang_kvx.policies import KVPolicy, register_policy
+
+
+@register_policy("_throwaway_even")
+class EvenPositions(KVPolicy):
+    """Keeps the even positions: a rule simple enough to write the expected keep-set by hand."""
+
+    needs = frozenset()
+
+    def score(self, signals, layer, budget=None):
+        positions = torch.arange(signals.n, device=signals.score_device)
+        return (-(positions % 2)).float().expand(signals.num_kv_heads, -1)
