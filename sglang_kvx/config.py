@@ -24,6 +24,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
     "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
+    "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules)."),
     "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
 
@@ -40,10 +41,12 @@ class KvxConfig:
     estimator: str = ""  # GateSight estimator folder; "" = find the one trained for the model
     model_path: str = ""
     policy_modules: str = ""  # comma-separated modules registering further policies (imported in every process)
+    decode_steps: bool = False  # requests may ask for decode-time steps
 
     @property
     def enabled(self) -> bool:
-        return get_policy(self.policy).compacts
+        """Whether the extension acts in this server (else SGLang runs exactly as without it)."""
+        return get_policy(self.policy).compacts or self.decode_steps
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,6 +135,14 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     return traits_of_config(json.loads(config_file.read_text()))
 
 
+def parse_on_off(raw: str | bool, flag: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if raw not in ("on", "off"):
+        raise KvxConfigError(f"{flag} must be 'on' or 'off', got {raw!r}")
+    return raw == "on"
+
+
 def import_policy_modules(modules: str) -> None:
     """Import each comma-separated module: importing one registers the policies it defines."""
     import importlib
@@ -151,6 +162,7 @@ def build_config(
     estimator: str = "",
     tp_size: int = 1,
     policy_modules: str = "",
+    decode_steps: str | bool = "off",
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -169,6 +181,7 @@ def build_config(
         estimator=str(estimator or ""),
         model_path=str(model_path or ""),
         policy_modules=str(policy_modules or ""),
+        decode_steps=parse_on_off(decode_steps, "--kvx-decode-steps"),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.

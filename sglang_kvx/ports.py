@@ -52,6 +52,12 @@ class KVPool(Protocol):
 
     def restore_state(self, request: "Request", snapshot: Any) -> None: ...
 
+    def snapshot_rows(self, rows: list[int]) -> Any:
+        """The recurrent states of request rows (a decode step about to be re-run)."""
+        ...
+
+    def restore_rows(self, rows: list[int], snapshot: Any) -> None: ...
+
 
 class Request(Protocol):
     """One request, as admission, recording and compaction see it."""
@@ -67,6 +73,7 @@ class Request(Protocol):
     row: int  # its row of the request-to-slot table (valid while it holds KV)
     prefix_len: int
     owned_from: int  # positions before this are shared (prefix cache / store) and never freed with it
+    owned_len: int  # positions it holds KV for (SGLang frees [owned_from, owned_len) at release)
 
     @property
     def state(self) -> Any:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kvx.allocate import allocation_names, allocation_needs, allocation_tp_problem
+from sglang_kvx.decode import DecodeSettings, parse_decode_settings
 from sglang_kvx.policies import get_policy, servable_policy_names
 
 FIELD_PREFIX = "custom_params.kvx"
@@ -47,6 +48,7 @@ class RequestFields:
     protected_prefix_len: int | None = None
     allocation: str | None = None
     compact: bool | None = None
+    decode: DecodeSettings | None = None  # a decode-time step for this request (sglang_kvx.decode)
 
     @property
     def wants_full_cache(self) -> bool:
@@ -105,7 +107,7 @@ def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestField
         return NO_FIELDS
     if not isinstance(raw, dict):
         raise SettingsError(f"{FIELD_PREFIX} must be a JSON object; got {_short(raw)}")
-    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact"}
+    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact", "decode"}
     unknown = [key for key in raw if key not in known]
     if unknown:
         name = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= MAX_NAME_LENGTH else "a long key"
@@ -119,6 +121,7 @@ def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestField
         protected_prefix_len=_count(raw, "protected_prefix_len", max_tokens),
         allocation=_name(raw, "allocation", allocation_names()),
         compact=compact,
+        decode=parse_decode_settings(raw.get("decode")),
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from sglang_kvx.serve.launcher import ServerProcess
 
-from test_compaction_e2e import ask, compact, served_keep_set, stored, text
+from test_compaction_e2e import ask, compact, served_keep_set, stored, text, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -36,5 +36,16 @@ def test_a_policy_from_one_file_is_served_and_matches_the_oracle(demo_paths, ref
         expected_ids, _ = ref.compacted_generate(context, keep, question, 10)
         assert body["output_ids"] == expected_ids
         assert server.stats()["policy"] == "knorm"  # the flag's policy; the request chose the throwaway one
+
+        # A policy that raises inside the scheduler: that context stays uncompacted with the reason,
+        # and the server goes on serving everyone else exactly as before.
+        other = ref.encode(text(80, seed=42))
+        compact(server, other, "_throwaway_failing", 0.5)
+        stats = server.stats()
+        assert stats["compactions_failed"] == 1 and "planted failure" in stats["last_compaction_error"]
+        assert not [c for c in stats["compacted_contexts"] if c["policy"] == "_throwaway_failing"]
+        assert ask(server, context, question, "_throwaway_even", 0.5)["output_ids"] == expected_ids
+        settled = wait_idle(server, 4096)
+        assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == 4096
     finally:
         server.stop()

@@ -14,3 +14,13 @@ class EvenPositions(KVPolicy):
     def score(self, signals, layer, budget=None):
         positions = torch.arange(signals.n, device=signals.score_device)
         return (-(positions % 2)).float().expand(signals.num_kv_heads, -1)
+
+
+@register_policy("_throwaway_failing")
+class FailingPolicy(KVPolicy):
+    """Raises while scoring: the server must contain it to this one context and go on."""
+
+    needs = frozenset()
+
+    def score(self, signals, layer, budget=None):
+        raise RuntimeError("planted failure in a policy")

@@ -40,8 +40,16 @@ def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
         return {}
     if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
-    index = link.runtime.compactor.layer_index.get(layer.layer_id)
-    return {} if index is None else link.runtime.admission.masked_rows(index, link.batch(forward_batch))
+    runtime = link.runtime
+    index = runtime.compactor.layer_index.get(layer.layer_id)
+    if index is None:
+        return {}
+    batch = link.batch(forward_batch)
+    masked = runtime.admission.masked_rows(index, batch)
+    if runtime.decode and batch.is_decode:
+        # A child never runs decode steps (refused at admission), so the two never name one row.
+        masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens))
+    return masked
 
 
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

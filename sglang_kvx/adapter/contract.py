@@ -18,6 +18,8 @@ HOOK_AFTER, HOOK_AROUND, HOOK_REPLACE = "after", "around", "replace"
 SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.managers.scheduler.Scheduler.__init__": ("after_scheduler_init", HOOK_AFTER),
     "sglang.srt.managers.scheduler.Scheduler.flush_cache": ("around_flush_cache", HOOK_AROUND),
+    # SGLang's own extension point for per-request response fields: our outcome in meta_info["kvx"].
+    "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class": ("after_get_output_streamer_class", HOOK_AFTER),
     # Where a request's prefix is matched: a child takes the store's rank slots instead.
     "sglang.srt.managers.schedule_batch.Req.init_next_round_input": ("around_init_next_round_input", HOOK_AROUND),
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices": (
@@ -26,6 +28,10 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.mem_cache.allocation.alloc_for_extend": ("after_alloc_for_extend", HOOK_AFTER),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("after_forward_batch_init", HOOK_AFTER),
     "sglang.srt.mem_cache.common.release_kv_cache": ("around_release_kv_cache", HOOK_AROUND),
+    # SGLang clips a generation to what the pool could hold; a decode step bounding live KV lifts that.
+    "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens": ("around_init_req_max_new_tokens", HOOK_AROUND),
+    # One decode forward: each row's span, a re-run where a decode step asks, then its drops.
+    "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("around_model_forward", HOOK_AROUND),
     # Backend-agnostic: every attention backend runs under RadixAttention.forward.
     "sglang.srt.layers.radix_attention.RadixAttention.forward": ("after_attention", HOOK_AFTER),
     # GateSight's GDN signals: every GDN backend (ours on CPU, SGLang's on GPU) runs under it.
@@ -107,7 +113,7 @@ ATTRIBUTES: dict[str, list[str]] = {
     "sglang.srt.managers.schedule_batch.Req": [
         "origin_input_ids", "output_ids", "sampling_params", "rid", "kv", "prefix_len", "num_matched_prefix_tokens",
         "skip_radix_cache_insert", "finished_output", "finished_reason", "to_finish", "set_finish_with_abort",
-        "finished",
+        "finished", "owned_kv_len",
     ],
     "sglang.srt.managers.scheduler.Scheduler": [
         "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "server_args",
@@ -115,8 +121,10 @@ ATTRIBUTES: dict[str, list[str]] = {
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "forward_mode", "req_pool_indices", "positions", "extend_seq_lens", "extend_start_loc",
-        "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "seq_lens",
+        "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "seq_lens", "seq_lens_cpu",
     ],
+    "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
+    "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy"],
 }
 
 

@@ -95,6 +95,34 @@ def build_runtime(scheduler, config):
     )
 
 
+def after_get_output_streamer_class(streamer_class, scheduler, *_args, **_kwargs):
+    """SGLang's output streamer subclass hook: responses of a compacting server carry
+    meta_info["kvx"] (a parent compacted or not and why, a child's compacted prefix)."""
+    from sglang_kvx.adapter.plugin import config_of
+
+    if not config_of(scheduler.server_args).enabled:
+        return streamer_class
+    return _outcome_streamer(streamer_class)
+
+
+_STREAMERS: dict[type, type] = {}  # one subclass per SGLang streamer class (a cache of types, not state)
+
+
+def _outcome_streamer(base: type) -> type:
+    if base not in _STREAMERS:
+        def build_additional_customized_info(self, reqs) -> dict[str, list]:
+            runtime = runtime_of(self.tree_cache.req_to_token_pool)
+            if runtime is None:
+                return {"kvx": [[] for _ in reqs]}
+            return {"kvx": [runtime.outcome_once(SGLangRequest(req)) for req in reqs]}
+
+        _STREAMERS[base] = type(f"Kvx{base.__name__}", (base,), {
+            "__module__": __name__, "__slots__": (), "has_additional_customized_info": True,
+            "build_additional_customized_info": build_additional_customized_info,
+        })
+    return _STREAMERS[base]
+
+
 def around_flush_cache(original, scheduler, *args, **kwargs):
     result = original(scheduler, *args, **kwargs)
     runtime = runtime_of(scheduler.req_to_token_pool)
@@ -114,17 +142,22 @@ def after_session_held_tokens(held, observer, *_args, **_kwargs):
 
 
 def around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None):
+    from sglang_kvx.serve.runtime import CHILD
+
     runtime = runtime_of(tree_cache.req_to_token_pool) if tree_cache is not None else None
-    if runtime is None or not runtime.before_round(SGLangRequest(req)):
+    plan = runtime.before_round(SGLangRequest(req)) if runtime is not None else None
+    if plan is None:
         return original(req, tree_cache, cow_mamba)
-    # A child: refresh its (rewritten) fill ids without touching the tree, take an empty match at
-    # the root, then claim the stored rank slots as its protected prefix.
+    # Refresh the fill ids without touching the tree and take an empty match at the root: a parent
+    # then prefills its whole context; a child claims the stored rank slots as its protected prefix.
     from array import array
 
     from sglang.srt.mem_cache.common import match_kv_cache
 
     original(req, None, cow_mamba)
     match_kv_cache(req, tree_cache, array("q"), cow_mamba=False, max_prefix_len=0)
+    if plan != CHILD:
+        return
     num_slots = req._kvx_state.context.num_slots
     req.prefix_len = num_slots
     req.num_matched_prefix_tokens = num_slots
@@ -144,6 +177,19 @@ def after_alloc_for_extend(result, batch, *_args, **_kwargs):
     return result
 
 
+def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
+    requested = req.sampling_params.max_new_tokens
+    result = original(scheduler, req, *args, **kwargs)
+    runtime = runtime_of(scheduler.req_to_token_pool)
+    if runtime is not None and requested is not None and req.to_finish is None:
+        # SGLang's max_req_len is bounded by the pool too; the model's context length is the limit here.
+        bound = runtime.bounded_max_new_tokens(SGLangRequest(req), requested, scheduler.model_config.context_len,
+                                               scheduler.max_total_num_tokens)
+        if bound is not None and bound > req.sampling_params.max_new_tokens:
+            req.sampling_params.max_new_tokens = bound
+    return result
+
+
 def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     runtime = runtime_of(tree_cache.req_to_token_pool)
     if runtime is not None:
@@ -152,6 +198,27 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 
 
 # --- forward time ----------------------------------------------------------------------
+
+
+def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):
+    """A decode forward with decode-step rows: spans first, the forward, a re-run where a step asks
+    (every row's recurrent state restored first, so rows not re-run compute the same again), drops."""
+    link = link_of(model_runner.req_to_token_pool)
+    if link is None or not link.runtime.decode or not forward_batch.forward_mode.is_decode():
+        return original(model_runner, forward_batch, *args, **kwargs)
+    decode, pool = link.runtime.decode, link.runtime.pool
+    batch = link.batch(forward_batch)
+    rows = batch.rows
+    may_rerun = decode.begin(rows)
+    snapshot = pool.snapshot_rows(rows) if may_rerun and pool.has_state else None
+    output = original(model_runner, forward_batch, *args, **kwargs)
+    if decode.reruns(may_rerun):
+        if snapshot is not None:
+            pool.restore_rows(rows, snapshot)
+        output = original(model_runner, forward_batch, *args, **kwargs)
+    decode.end(rows, batch.seq_lens)
+    return output
+
 
 
 def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_args, **kwargs):
@@ -236,7 +303,11 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     if not original(graph_runner, forward_batch, *args, **kwargs):
         return False
     link = link_of(graph_runner.model_runner.req_to_token_pool)
-    return link is None or not link.runtime.admission.needs_per_layer_lengths(link.batch(forward_batch))
+    if link is None:
+        return True
+    if link.runtime.decode and link.runtime.decode.any_hidden():
+        return False  # a decode step hides part of some row's history
+    return not link.runtime.admission.needs_per_layer_lengths(link.batch(forward_batch))
 
 
 def around_dp_routing(original, controller, req):

@@ -71,6 +71,18 @@ class SGLangKVPool:
         translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
         return translate(index) if translate is not None else index
 
+    def _state_slots_of_rows(self, rows: list[int]) -> torch.Tensor:
+        index = self._req_to_token_pool.get_mamba_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+        translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
+        return translate(index.to(torch.long)) if translate is not None else index.to(torch.long)
+
+    def snapshot_rows(self, rows: list[int]) -> Any:
+        """The recurrent states of request rows ``rows`` (to re-run a decode step from them)."""
+        return self._state_pool.get_cpu_copy(self._state_slots_of_rows(rows))
+
+    def restore_rows(self, rows: list[int], snapshot: Any) -> None:
+        self._state_pool.load_cpu_copy(snapshot, self._state_slots_of_rows(rows))
+
     def snapshot_state(self, request: "SGLangRequest") -> Any:
         return self._state_pool.get_cpu_copy(self._state_slot(request))
 
@@ -131,6 +143,11 @@ class SGLangRequest:
         return int(self.req.prefix_len)
 
     @property
+    def owned_len(self) -> int:
+        """Positions of its row it holds KV for (what SGLang frees past ``owned_from`` at release)."""
+        return int(self.req.owned_kv_len())
+
+    @property
     def owned_from(self) -> int:
         return int(self.req.kv.cache_protected_len)
 
@@ -164,12 +181,13 @@ class SGLangRequest:
 class SGLangBatch:
     """A ``ForwardBatch`` as the recorder and attention see it; host lists read once, lazily."""
 
-    __slots__ = ("fb", "_rows", "_segments")
+    __slots__ = ("fb", "_rows", "_segments", "_seq_lens")
 
     def __init__(self, forward_batch) -> None:
         self.fb = forward_batch
         self._rows: list[int] | None = None
         self._segments: list[Segment] | None = None
+        self._seq_lens: list[int] | None = None
 
     @property
     def is_extend(self) -> bool:
@@ -184,6 +202,14 @@ class SGLangBatch:
         if self._rows is None:
             self._rows = self.fb.req_pool_indices.tolist()  # one host read per batch view
         return self._rows
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Each row's keys this forward, the new tokens included."""
+        if self._seq_lens is None:
+            cpu = getattr(self.fb, "seq_lens_cpu", None)
+            self._seq_lens = (cpu if cpu is not None else self.fb.seq_lens).tolist()
+        return self._seq_lens
 
     @property
     def segments(self) -> list[Segment]:

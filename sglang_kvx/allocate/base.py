@@ -3,8 +3,9 @@
 An allocation decides how many entries each attention layer keeps beyond the protected prefix:
     fn(keep_fraction, num_budgeted, num_layers, signals=None, **options) -> list[int]
 where num_budgeted (m) is a layer's entries outside the protected prefix (n - protected_prefix_len),
-the same in every layer of one context. Every allocation here spends the flat total,
-num_layers * round(keep_fraction * m), and gives no layer more than m.
+the same in every layer of one context. ``flat`` and ``gate`` spend exactly the flat total,
+num_layers * round(keep_fraction * m); ``pyramidkv`` rounds each layer as its reference code does
+(within num_layers / 2 of that total). None gives a layer more than m.
 """
 
 from __future__ import annotations

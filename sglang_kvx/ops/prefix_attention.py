@@ -36,13 +36,15 @@ def prefix_cells_attention_reference(
     start = 0
     for b, (row, seq_len, q_len, lo, hi) in enumerate(zip(
             rows.tolist(), seq_lens.tolist(), q_lens.tolist(), hidden_from.tolist(), hidden_to.tolist())):
-        slots = req_to_token[row, :seq_len].to(torch.long)
+        # Only the row's columns outside [lo, hi) are read: a windowed decode step reads sinks +
+        # window, not its whole history.
+        lo, hi = min(max(lo, 0), seq_len), min(max(hi, lo), seq_len)
+        columns = torch.cat([torch.arange(lo, device=device), torch.arange(hi, seq_len, device=device)])
+        slots = req_to_token[row, columns].to(torch.long)
         e0, e1 = int(extra_indptr[b]), int(extra_indptr[b + 1])
-        keys = torch.cat([k_cache[slots], extra_k[e0:e1]])  # [seq_len + extra, Hkv, D]
+        keys = torch.cat([k_cache[slots], extra_k[e0:e1]])  # [visible + extra, Hkv, D]
         values = torch.cat([v_cache[slots], extra_v[e0:e1]])
-        columns = torch.arange(seq_len, device=device)[None, :]
-        visible = columns <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
-        visible[:, lo:hi] = False
+        visible = columns[None, :] <= (seq_len - q_len + torch.arange(q_len, device=device))[:, None]
         visible = torch.cat([visible, visible.new_ones((q_len, e1 - e0))], dim=1)
         keys = keys.transpose(0, 1).float() * k_scale  # [Hkv, S, D]
         values = values.transpose(0, 1).float() * v_scale

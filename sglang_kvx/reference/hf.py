@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -152,5 +153,86 @@ class HFReference:
                 position += len(step_ids)
                 step_ids = [token]
             return generated, logprobs
+        finally:
+            model.set_attn_implementation(previous)
+
+    @torch.no_grad()
+    def span_generate(
+        self, input_ids: list[int], max_new_tokens: int, span_of_step: Callable[[int], tuple[int, int | None]],
+        progress: bool = False,
+    ) -> tuple[list[int], list[float]]:
+        """Greedy generation where decode step t (feeding output token t; the prompt's prefill has full
+        attention) attends only to its span: span_of_step(t) = (sinks, window) reads the first ``sinks``
+        keys and the ``window`` most recent (the current one included), (0, None) reads all. Nothing is
+        evicted: the rest of the cache is masked out with HF's own attention mask. Returns the tokens
+        and the log-probability of each."""
+        model = self.model
+        out = model(torch.tensor([input_ids]), use_cache=True)
+        cache, logits = out.past_key_values, out.logits[0, -1]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        steps = range(max_new_tokens)
+        if progress:
+            from tqdm import tqdm
+
+            steps = tqdm(steps, desc="HF span oracle", unit="tok")
+        for _ in steps:
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+            if len(tokens) == max_new_tokens:
+                break
+            seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
+            sinks, window = span_of_step(len(tokens))
+            mask = torch.ones(1, seq_len, dtype=torch.long)
+            if window is not None:
+                mask[0, min(sinks, seq_len) : max(sinks, seq_len - window)] = 0
+            position = torch.tensor([[seq_len - 1]])
+            logits = model(torch.tensor([[token]]), attention_mask=mask, position_ids=position,
+                           cache_position=position[0], past_key_values=cache, use_cache=True).logits[0, -1]
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def streaming_generate(
+        self, input_ids: list[int], max_new_tokens: int, sinks: int, window: int, progress: bool = False
+    ) -> tuple[list[int], list[float]]:
+        """Greedy generation under StreamingLLM decoding: the prompt is prefilled with full attention;
+        decode step t reads only the first ``sinks`` keys and the ``window`` most recent (its own
+        included), and whatever leaves that span is cut out of HF's cache for good, so each step
+        costs O(sinks + window). Later tokens keep their true positions. Returns tokens and log-probs."""
+        model = self.model
+        out = model(torch.tensor([input_ids]), use_cache=True)
+        cache, logits = out.past_key_values, out.logits[0, -1]
+        cached = torch.arange(len(input_ids))  # the position each cache entry holds
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        _register_oracle_attention()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ORACLE_ATTENTION)
+        try:
+            steps = range(max_new_tokens)
+            if progress:
+                from tqdm import tqdm
+
+                steps = tqdm(steps, desc="HF streaming oracle", unit="tok", mininterval=5)
+            for _ in steps:
+                token = int(logits.argmax())
+                tokens.append(token)
+                logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+                if len(tokens) == max_new_tokens:
+                    break
+                seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
+                keep = (cached < sinks) | (cached >= seq_len - window)
+                if not bool(keep.all()):
+                    index = keep.nonzero(as_tuple=True)[0]
+                    for layer_id in self.attention_layer_ids:
+                        layer = cache.layers[layer_id]
+                        layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+                    cached = cached[index]
+                cached = torch.cat([cached, torch.tensor([seq_len - 1])])
+                position = torch.tensor([[seq_len - 1]])
+                logits = model(torch.tensor([[token]]), position_ids=position, cache_position=position[0],
+                               past_key_values=cache, use_cache=True).logits[0, -1]
+            return tokens, logprobs
         finally:
             model.set_attn_implementation(previous)

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
 from sglang_kvx.settings import CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_settings
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
@@ -34,6 +35,8 @@ class RequestState:
     context: CompactedContext | None = None  # the stored context a child (or a KVzip pass) reads
     internal: bool = False  # a KVzip reconstruction pass
     checked: bool = False  # a parent's settings were validated against its context
+    outcome: dict | None = None  # what the extension did with it, for the response's meta_info["kvx"]
+    reported: bool = False  # the outcome went out with a response
 
 
 class Admission:
@@ -60,6 +63,8 @@ class Admission:
                 request.abort(f"sglang_kvx: {exc}")
                 return None
             parent = fields.compact if fields.compact is not None else request.max_new_tokens == 0
+            # Without a policy (a decode-steps-only server) a request is a parent only by naming one.
+            parent = parent and (fields.policy is not None or get_policy(self.defaults.policy).compacts)
             state = request.state = RequestState(fields=fields, parent=parent)
         return state
 
@@ -106,6 +111,10 @@ class Admission:
         if context is None:
             self.make_room(wanted)
             return False
+        if state.fields.decode is not None:
+            request.abort("sglang_kvx: decode steps do not yet apply to a child of a compacted context; "
+                          "send it with \"compact\": false or without custom_params.kvx.decode")
+            return False
         # Room for the child's own tokens, never by evicting the context it is about to read.
         self.make_room(wanted - context.n, keep=context)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
@@ -114,6 +123,8 @@ class Admission:
         request.keep_out_of_tree()  # its prefix is the store's, not the tree's
         context.reuse_count += 1
         self._adopt(state, context)
+        state.outcome = {"child": True, "context_tokens": context.n, "slots": context.num_slots,
+                         "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
         return True
 
     @staticmethod

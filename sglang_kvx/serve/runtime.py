@@ -25,6 +25,7 @@ from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.serve.admission import Admission, RequestState
+from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.settings import CompactionSettings, ServerDefaults
 from sglang_kvx.signals import CaptureSpec
 from sglang_kvx.signals.recorder import SignalRecorder
@@ -33,6 +34,14 @@ from sglang_kvx.store import ContextStore
 logger = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 32
+MIN_COMPACTED_TOKENS = 2  # a parent with fewer tokens outside its protected prefix is served uncompacted
+CHILD, WHOLE = "child", "whole"  # what before_round asks of the prefix match
+
+
+def _summary(context) -> dict:
+    n = context.n
+    return {"context_tokens": n, "slots": context.num_slots, "kept_fraction": round(context.num_slots / n, 6) if n else 0.0,
+            "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
 
 
 class Runtime:
@@ -49,12 +58,14 @@ class Runtime:
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths)
+        self.decode = DecodeRunner(pool)
         self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
         # has the recorder recompute them from each GDN layer's inputs.
         self.gdn_from_backend = False
         self.skipped_no_room = 0
+        self.degenerate = 0  # parents whose settings keep no entry
         self.errors: list[str] = []  # why compactions failed (the context then stays uncompacted)
         self.failures = 0
 
@@ -69,8 +80,28 @@ class Runtime:
 
     # --- requests entering ---------------------------------------------------------
 
-    def before_round(self, request: Request) -> bool:
-        return self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
+    def before_round(self, request: Request) -> str | None:
+        """Before SGLang matches a request's prefix: CHILD (its prefix comes from the store), WHOLE (a
+        parent whose policy records signals inside the prefill: it must prefill its whole context,
+        whatever the prefix cache holds, or its signals would cover only the uncached part), or None."""
+        if self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid)):
+            return CHILD
+        state = request.state
+        if (state is not None and state.parent and state.settings is not None and not request.holds_kv
+                and not request.finished and not self.capture_spec(state.settings).empty):
+            return WHOLE
+        return None
+
+    def bounded_max_new_tokens(self, request: Request, requested: int, max_request_len: int, pool_tokens: int) -> int | None:
+        """For a request whose decode step bounds its live KV (StreamingLLM), the generation length
+        it may have in place of SGLang's pool-sized clip; None: SGLang's clip stands."""
+        state = self.admission.state_of(request)
+        if state is None or state.fields.decode is None or state.parent:
+            return None
+        live = state.fields.decode.build().live_tokens(len(request.input_ids))
+        if live is None or live + 2 > pool_tokens:
+            return None
+        return max(0, min(requested, max_request_len - len(request.input_ids) - 1))
 
     def _parent_problem(self, settings: CompactionSettings, n: int) -> str | None:
         """Why a parent cannot be compacted under ``settings`` beyond what admission checks (KVzip's pass length)."""
@@ -85,6 +116,8 @@ class Runtime:
             state = request.state
             if state is None or request.finished:
                 continue
+            if context is None and state.fields.decode is not None and not state.parent:
+                self.decode.admit(request.row, state.fields.decode, request)
             if context is not None and state.internal:
                 self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
             elif context is None and state.parent and state.settings is not None:
@@ -99,6 +132,12 @@ class Runtime:
         state = request.state
         if state is None:
             return
+        if state.fields.decode is not None and request.holds_kv and request.row in self.decode.rows:
+            # Slots a decode step freed already: SGLang must not free them again.
+            owned_len = self.decode.release(request.row, request.owned_len)
+            if owned_len is not None:
+                request.keep_out_of_tree()
+                request.owned_from = owned_len
         if state.context is not None:
             if state.internal and request.rid in self.kvzip.jobs:
                 self._contained(lambda: self.kvzip.finish_pass(request), request)
@@ -117,21 +156,31 @@ class Runtime:
         except Exception as exc:  # one bad context must not stop the scheduler serving everyone else
             self.recorder.take(request.row)
             self._failed(f"{type(exc).__name__}: {exc}")
+            if request.state is not None:
+                request.state.outcome = {"compacted": False, "reason": "compaction failed inside the server (see /kvx/stats)"}
             logger.exception("sglang_kvx: compaction of a %d-token context failed; it stays uncompacted",
                              len(request.input_ids))
 
     def _compact_parent(self, request: Request, state: RequestState) -> None:
         settings = state.settings
-        if self.store.get(request.input_ids, settings) is not None:
+        stored = self.store.get(request.input_ids, settings)
+        if stored is not None:
             self.recorder.take(request.row)
             request.keep_out_of_tree()  # the compacted copy already serves this context
+            state.outcome = {"compacted": True, "already_stored": True, **_summary(stored)}
             return
         if get_policy(settings.policy).second_pass:
             if not self.kvzip.start(request, settings):
                 self.skipped_no_room += 1
+                state.outcome = {"compacted": False, "reason": "no room in the pool to hold the context for KVzip's passes"}
+            else:
+                state.outcome = {"compacted": False, "pending": "KVzip's reconstruction passes run first; see /kvx/stats"}
             return
         recording = self.recorder.take(request.row)
         n = len(request.input_ids)
+        if n - settings.protected_prefix_len < MIN_COMPACTED_TOKENS:
+            state.outcome = {"compacted": False, "reason": f"a context of {n} tokens is too short to compact"}
+            return  # served and cached as an ordinary request
         context_slots = self.pool.row(request.row, n)
         context = self.compactor.compact(
             tuple(int(t) for t in request.input_ids), context_slots, settings,
@@ -143,9 +192,23 @@ class Runtime:
         )
         if context is None:
             self.skipped_no_room += 1
+            state.outcome = {"compacted": False, "reason": "no room in the pool for the compacted slots"}
+            return
+        if context.num_slots == 0:  # keep_fraction rounded every budget to zero: nothing to serve children from
+            self.degenerate += 1
+            state.outcome = {"compacted": False, "reason": "keep_fraction keeps no entry of this context"}
             return
         self.store.add(context)
         request.keep_out_of_tree()  # SGLang frees every other slot of the full context
+        state.outcome = {"compacted": True, **_summary(context)}
+
+    def outcome_once(self, request: Request) -> list[dict]:
+        """The request's outcome for its response's meta_info["kvx"], once, when it finishes."""
+        state = request.state
+        if state is None or state.outcome is None or state.reported or not request.finished:
+            return []
+        state.reported = True
+        return [state.outcome]
 
     def _rank_slots(self, request: Request, context_slots: torch.Tensor, count: int) -> torch.Tensor | None:
         """Slots for the compacted context. Prefer the parent's own: the copy gathers the kept entries
@@ -169,6 +232,7 @@ class Runtime:
         """After SGLang flushed its pools (every slot is free again), drop every reference to them."""
         self.admission.forget_all()
         self.kvzip.forget_all()
+        self.decode.forget_all()
         self.recorder.clear()
 
     def stats(self) -> dict[str, Any]:
@@ -177,10 +241,14 @@ class Runtime:
             "compacted_contexts": [c.summary() for c in contexts],
             "store_slots": self.store.slots_held(),
             "compactions_skipped_no_room": self.skipped_no_room,
+            "compactions_skipped_empty": self.degenerate,
             "compactions_failed": self.failures,
             "last_compaction_error": self.errors[-1] if self.errors else None,
             "contexts_evicted": self.admission.evicted,
             "kvzip_passes_pending": len(self.kvzip.jobs),
+            "decode_rows": len(self.decode.rows),
+            "decode_slots_freed": self.decode.freed_slots,
+            "decode_reruns": self.decode.rerun_count,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],
         }

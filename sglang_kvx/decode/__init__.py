@@ -1,0 +1,16 @@
+"""Decode-time steps (see ``base.py``); importing a step's module registers it."""
+
+from sglang_kvx.decode.base import (
+    DECODE_STEPS,
+    FULL,
+    DecodeSettings,
+    DecodeStep,
+    Span,
+    decode_step_names,
+    parse_decode_settings,
+    register_decode_step,
+)
+from sglang_kvx.decode import schedule, streaming  # noqa: F401,E402
+
+__all__ = ["DECODE_STEPS", "FULL", "DecodeSettings", "DecodeStep", "Span", "decode_step_names",
+           "parse_decode_settings", "register_decode_step"]

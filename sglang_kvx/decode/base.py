@@ -1,0 +1,134 @@
+"""Decode-time steps: what a running request's next decode step attends to, what it drops after.
+
+The extension point for methods that act at every decode step (learned-gate eviction drops what
+a gate shuts; On-Demand Attention picks each step's span and may re-run it; StreamingLLM keeps
+sinks and a window). A step is one short class registered by name, like a policy:
+
+  span(step)                the attention span step ``step`` runs with first (full, or sinks + window)
+  rerun_span(step, first)   after that run: the span to re-run the step with (None: keep the result);
+                            the runtime restores the row's recurrent (GDN / conv) state first
+  may_rerun(step)           whether rerun_span can ask (the runtime snapshots state only then)
+  dropped(seq_len)          after the step, per attention layer, the interval [start, end) of
+                            positions that layer never reads again: masked at once, and their
+                            slots freed once no layer keeps them
+  live_tokens(prompt_len)   the most entries a request ever holds (None: unbounded): a bounded
+                            request may generate past the pool's size
+
+Steps are numbered from 1: step t feeds the request's t-th output token (the prefill ran the prompt
+with full attention and produced the first). Positions count from the prompt's first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+MAX_OPTION = 1 << 24
+
+
+@dataclass(frozen=True)
+class Span:
+    """The keys one decode step attends to: all of them (``window`` None), or the first ``sinks``
+    plus the ``window`` most recent (the current token included)."""
+
+    sinks: int = 0
+    window: int | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.window is None
+
+    def hidden(self, seq_len: int) -> tuple[int, int]:
+        """The positions [start, end) this span does not read at a step with ``seq_len`` keys."""
+        if self.full:
+            return (0, 0)
+        start = min(self.sinks, seq_len)
+        return (start, max(start, seq_len - self.window))
+
+
+FULL = Span()
+
+
+class DecodeStep:
+    name: ClassVar[str] = ""
+    options: ClassVar[tuple[str, ...]] = ()  # the request fields it takes, each a whole number
+
+    def span(self, step: int) -> Span:
+        return FULL
+
+    def may_rerun(self, step: int) -> bool:
+        return False
+
+    def rerun_span(self, step: int, first: Span) -> Span | None:
+        return None
+
+    def live_tokens(self, prompt_len: int) -> int | None:
+        """The most KV entries a request of ``prompt_len`` prompt tokens ever holds under this step,
+        however long it generates (None: unbounded; the pool bounds its generation as usual)."""
+        return None
+
+    def dropped(self, seq_len: int, num_layers: int) -> list[tuple[int, int]] | None:
+        """Per attention layer, positions [start, end) dropped for good after a step with ``seq_len``
+        keys (None: nothing dropped). Drops only grow, and start where the previous ones started."""
+        return None
+
+
+DECODE_STEPS: dict[str, type[DecodeStep]] = {}
+
+
+def register_decode_step(name: str) -> Callable[[type[DecodeStep]], type[DecodeStep]]:
+    def decorator(cls: type[DecodeStep]) -> type[DecodeStep]:
+        if name in DECODE_STEPS:
+            raise ValueError(f"decode step {name!r} is already registered")
+        cls.name = name
+        DECODE_STEPS[name] = cls
+        return cls
+
+    return decorator
+
+
+def decode_step_names() -> list[str]:
+    return sorted(DECODE_STEPS)
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """A request's ``custom_params.kvx.decode``: the step's name and its whole-number options."""
+
+    step: str
+    options: tuple[tuple[str, int], ...] = ()
+
+    def build(self) -> DecodeStep:
+        return DECODE_STEPS[self.step](**dict(self.options))
+
+
+def parse_decode_settings(raw: Any, field: str = "custom_params.kvx.decode") -> DecodeSettings | None:
+    """Strictly type-check a request's decode settings (None: no decode step)."""
+    from sglang_kvx.settings import SettingsError
+
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SettingsError(f"{field} must be a JSON object with a \"step\" field")
+    step = raw.get("step")
+    if not isinstance(step, str) or step not in DECODE_STEPS:
+        raise SettingsError(f"{field}.step must be a string naming one of the valid choices: {', '.join(decode_step_names())}")
+    cls = DECODE_STEPS[step]
+    unknown = [key for key in raw if key != "step" and key not in cls.options]
+    if unknown:
+        shown = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= 64 else "a long key"
+        raise SettingsError(f"{field} has an unknown field {shown!r} for step {step!r}; valid fields: "
+                            f"{', '.join(('step',) + cls.options)}")
+    options = []
+    for key in cls.options:
+        if key in raw:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_OPTION:
+                raise SettingsError(f"{field}.{key} must be a whole number in [0, {MAX_OPTION}]")
+            options.append((key, value))
+    settings = DecodeSettings(step, tuple(options))
+    try:
+        settings.build()
+    except ValueError as exc:
+        raise SettingsError(f"{field}: {exc}") from None
+    return settings

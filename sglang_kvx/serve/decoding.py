@@ -1,0 +1,152 @@
+"""Running decode steps (``sglang_kvx.decode``) for the rows of one scheduler.
+
+Per decode forward the adapter calls: ``begin`` (each row's span for this step), the forward,
+``reruns`` (rows whose step asks to run again with another span: the adapter restores their
+recurrent state and runs the forward again), then ``end`` (what each row drops for good; slots
+no layer keeps any more go back to the pool). Attention reads ``hidden`` per row and layer: one
+interval [start, end) of positions a row does not read in that layer this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_kvx.decode import DecodeSettings, DecodeStep, Span
+from sglang_kvx.ports import KVPool, Request
+from sglang_kvx.store import PrefixCells
+
+logger = logging.getLogger(__name__)
+
+
+def _union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    if a[1] <= a[0]:
+        return b
+    if b[1] <= b[0] or (b[0] >= a[0] and b[1] <= a[1]):
+        return a
+    if max(a[0], b[0]) > min(a[1], b[1]):
+        raise NotImplementedError(f"decode steps: two separate hidden intervals {a} and {b} in one layer")
+    return (min(a[0], b[0]), max(a[1], b[1]))
+
+
+@dataclass
+class DecodeRow:
+    step: DecodeStep
+    request: Request  # read live: SGLang moves its owned start when it caches the prompt
+    num_layers: int
+    steps: int = 0  # decode steps started
+    span: Span = field(default_factory=Span)
+    dropped: list[tuple[int, int]] = field(default_factory=list)  # per layer, positions gone for good
+    freed: tuple[int, int] = (0, 0)  # positions whose slots went back to the pool
+
+    def __post_init__(self) -> None:
+        self.dropped = [(0, 0)] * self.num_layers
+
+    def hidden(self, layer: int, seq_len: int) -> tuple[int, int]:
+        return _union(self.dropped[layer], self.span.hidden(seq_len))
+
+
+class DecodeRunner:
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.rows: dict[int, DecodeRow] = {}
+        self.freed_slots = 0  # slots returned to the pool while their requests ran
+        self.rerun_count = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def admit(self, row: int, settings: DecodeSettings, request: Request) -> None:
+        if row not in self.rows:
+            self.rows[row] = DecodeRow(step=settings.build(), request=request, num_layers=self.pool.num_layers)
+
+    # --- one decode forward ------------------------------------------------------------
+
+    def begin(self, rows: list[int]) -> list[int]:
+        """Set each decode row's first span for this step; the rows that may ask for a re-run."""
+        may_rerun = []
+        for row in rows:
+            state = self.rows.get(row)
+            if state is None:
+                continue
+            state.steps += 1
+            state.span = state.step.span(state.steps)
+            if state.step.may_rerun(state.steps):
+                may_rerun.append(row)
+        return may_rerun
+
+    def reruns(self, rows: list[int]) -> list[int]:
+        """Rows whose step asks to run again with another span (set now)."""
+        again = []
+        for row in rows:
+            state = self.rows.get(row)
+            if state is None:
+                continue
+            span = state.step.rerun_span(state.steps, state.span)
+            if span is not None and span != state.span:
+                state.span = span
+                again.append(row)
+        self.rerun_count += len(again)
+        return again
+
+    def end(self, rows: list[int], seq_lens: list[int]) -> None:
+        """After the step: record what each row drops; free the slots no layer reads any more."""
+        for row, seq_len in zip(rows, seq_lens):
+            state = self.rows.get(row)
+            if state is None:
+                continue
+            dropped = state.step.dropped(seq_len, state.num_layers)
+            if dropped is None:
+                continue
+            state.dropped = [_union(old, new) for old, new in zip(state.dropped, dropped)]
+            # Positions every layer dropped, and that are this request's own (not the prefix cache's).
+            start = max(max(d[0] for d in state.dropped), state.request.owned_from)
+            end = min(d[1] for d in state.dropped)
+            if end <= start:
+                continue
+            freed_start, freed_end = state.freed
+            if freed_end > freed_start and freed_start != start:
+                raise NotImplementedError("decode steps: freed positions must grow from one start")
+            new_start = max(start, freed_end) if freed_end > freed_start else start
+            if end > new_start:
+                self.pool.free(self.pool.row(row, end)[new_start:end])
+                self.freed_slots += end - new_start
+                state.freed = (start, end)
+
+    def masked_rows(self, layer: int, rows: list[int], seq_lens: list[int]) -> dict[int, PrefixCells]:
+        """Batch index -> the interval this layer does not read, for decode rows that hide one."""
+        found = {}
+        for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
+            state = self.rows.get(row)
+            if state is not None:
+                start, end = state.hidden(layer, seq_len)
+                if end > start:
+                    found[i] = PrefixCells(num_slots=end, own=start)
+        return found
+
+    def any_hidden(self) -> bool:
+        return any(not s.span.full or any(e > b for b, e in s.dropped) for s in self.rows.values())
+
+    # --- leaving -----------------------------------------------------------------------
+
+    def release(self, row: int, owned_len: int) -> int | None:
+        """The row's request leaves: free its own live slots here (some were freed already) and
+        return the new owned start for SGLang (nothing left for it to free), or None when the row
+        ran no decode step that freed anything (SGLang frees as usual)."""
+        state = self.rows.pop(row, None)
+        if state is None or state.freed[1] <= state.freed[0]:
+            return None
+        owned_from = state.request.owned_from
+        slots = self.pool.row(row, owned_len)
+        keep = torch.ones(owned_len, dtype=torch.bool)
+        keep[:owned_from] = False
+        keep[state.freed[0] : state.freed[1]] = False
+        live = slots[keep.to(slots.device)]
+        if live.numel():
+            self.pool.free(live)
+        return owned_len
+
+    def forget_all(self) -> None:
+        self.rows.clear()
