@@ -171,16 +171,8 @@ class HFReference:
         cache, logits = out.past_key_values, out.logits[0, -1]
         tokens: list[int] = []
         logprobs: list[float] = []
-        steps = range(max_new_tokens)
-        if progress:
-            from tqdm import tqdm
-
-            steps = tqdm(steps, desc="HF span oracle", unit="tok")
-        for _ in steps:
-            token = int(logits.argmax())
-            tokens.append(token)
-            logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-            if len(tokens) == max_new_tokens:
+        for _ in _greedy_steps(max_new_tokens, progress, "HF span oracle"):
+            if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
                 break
             seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
             sinks, window = span_of_step(len(tokens))
@@ -188,7 +180,7 @@ class HFReference:
             if window is not None:
                 mask[0, min(sinks, seq_len) : max(sinks, seq_len - window)] = 0
             position = torch.tensor([[seq_len - 1]])
-            logits = model(torch.tensor([[token]]), attention_mask=mask, position_ids=position,
+            logits = model(torch.tensor([tokens[-1:]]), attention_mask=mask, position_ids=position,
                            cache_position=position[0], past_key_values=cache, use_cache=True).logits[0, -1]
         return tokens, logprobs
 
@@ -210,16 +202,8 @@ class HFReference:
         previous = model.config._attn_implementation
         model.set_attn_implementation(ORACLE_ATTENTION)
         try:
-            steps = range(max_new_tokens)
-            if progress:
-                from tqdm import tqdm
-
-                steps = tqdm(steps, desc="HF streaming oracle", unit="tok", mininterval=5)
-            for _ in steps:
-                token = int(logits.argmax())
-                tokens.append(token)
-                logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
-                if len(tokens) == max_new_tokens:
+            for _ in _greedy_steps(max_new_tokens, progress, "HF streaming oracle"):
+                if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
                     break
                 seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
                 keep = (cached < sinks) | (cached >= seq_len - window)
@@ -231,8 +215,24 @@ class HFReference:
                     cached = cached[index]
                 cached = torch.cat([cached, torch.tensor([seq_len - 1])])
                 position = torch.tensor([[seq_len - 1]])
-                logits = model(torch.tensor([[token]]), position_ids=position, cache_position=position[0],
+                logits = model(torch.tensor([tokens[-1:]]), position_ids=position, cache_position=position[0],
                                past_key_values=cache, use_cache=True).logits[0, -1]
             return tokens, logprobs
         finally:
             model.set_attn_implementation(previous)
+
+
+def _greedy_steps(count: int, progress: bool, description: str):
+    if not progress:
+        return range(count)
+    from tqdm import tqdm
+
+    return tqdm(range(count), desc=description, unit="tok", mininterval=5)
+
+
+def _take_greedy(logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> int:
+    """Append the greedy token of ``logits`` and its log-probability; returns how many tokens there are."""
+    token = int(logits.argmax())
+    tokens.append(token)
+    logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+    return len(tokens)
