@@ -247,6 +247,7 @@ def _after_get_internal_state(result, scheduler, *_args, **_kwargs):
 def _register_http_routes() -> None:
     from sglang.srt.entrypoints import http_server
 
-    from sglang_kvx.serve.routes import add_routes
+    from sglang_kvx.serve.routes import add_routes, scrub_validation_errors
 
     add_routes(http_server.app, http_server.get_global_state)
+    scrub_validation_errors(http_server.app)
