@@ -45,6 +45,12 @@ def test_a_policy_from_one_file_is_served_and_matches_the_oracle(demo_paths, ref
         assert stats["compactions_failed"] == 1 and "planted failure" in stats["last_compaction_error"]
         assert not [c for c in stats["compacted_contexts"] if c["policy"] == "_throwaway_failing"]
         assert ask(server, context, question, "_throwaway_even", 0.5)["output_ids"] == expected_ids
+        # ... and one that raises while the request is admitted: that request gets an error.
+        refused = server.generate({"input_ids": other, "sampling_params": {"max_new_tokens": 0, "custom_params": {
+            "kvx": {"policy": "_throwaway_failing_capture", "keep_fraction": 0.5}}}})
+        assert refused.status_code != 200 and "internal error" in refused.text, refused.text
+        assert server.stats()["compactions_failed"] == 2
+        assert ask(server, context, question, "_throwaway_even", 0.5)["output_ids"] == expected_ids
         settled = wait_idle(server, 4096)
         assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == 4096
     finally:

@@ -24,3 +24,16 @@ class FailingPolicy(KVPolicy):
 
     def score(self, signals, layer, budget=None):
         raise RuntimeError("planted failure in a policy")
+
+
+@register_policy("_throwaway_failing_capture")
+class FailingCapture(KVPolicy):
+    """Raises while the server plans what to record for it: contained to that one request."""
+
+    needs = frozenset()
+
+    def captures(self):
+        raise RuntimeError("planted failure while planning captures")
+
+    def score(self, signals, layer, budget=None):
+        return torch.zeros(signals.num_kv_heads, signals.n)

@@ -83,7 +83,20 @@ class Runtime:
     def before_round(self, request: Request) -> str | None:
         """Before SGLang matches a request's prefix: CHILD (its prefix comes from the store), WHOLE (a
         parent whose policy records signals inside the prefill: it must prefill its whole context,
-        whatever the prefix cache holds, or its signals would cover only the uncached part), or None."""
+        whatever the prefix cache holds, or its signals would cover only the uncached part), or None.
+        An exception here is contained to the request: it gets an error, the scheduler goes on."""
+        try:
+            return self._plan_round(request)
+        except Exception as exc:  # noqa: BLE001 - contained to this request
+            self._refuse_on_error(request, exc, "admitting")
+            return None
+
+    def _refuse_on_error(self, request: Request, exc: Exception, doing: str) -> None:
+        self._failed(f"{type(exc).__name__} while {doing} a request: {exc}")
+        logger.exception("sglang_kvx: %s request %s failed; it gets an error", doing, request.rid)
+        request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)")
+
+    def _plan_round(self, request: Request) -> str | None:
         if self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid)):
             return CHILD
         state = request.state
@@ -112,10 +125,15 @@ class Runtime:
     def after_alloc(self, requests: Sequence[Request]) -> None:
         """Rows are assigned: offsets and recurrent states of children; recordings of parents."""
         for request in requests:
-            context = self.admission.place(request)
-            state = request.state
-            if state is None or request.finished:
-                continue
+            try:
+                self._place(request)
+            except Exception as exc:  # noqa: BLE001 - contained to this request
+                self._refuse_on_error(request, exc, "placing")
+
+    def _place(self, request: Request) -> None:
+        context = self.admission.place(request)
+        state = request.state
+        if state is not None and not request.finished and not request.aborted:
             if context is None and state.fields.decode is not None and not state.parent:
                 self.decode.admit(request.row, state.fields.decode, request)
             if context is not None and state.internal:

@@ -9,8 +9,10 @@ with plain tensors and a ``Batch`` view; the policy maths lives in the policy fi
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -19,6 +21,8 @@ from sglang_kvx.policies.h2o import add_column_sums
 from sglang_kvx.policies.triattention import combine_query_statistics, query_statistics
 from sglang_kvx.ports import Batch, KVPool, Segment
 from sglang_kvx.signals import CaptureSpec, ContextSignals, GDNLayerSignals
+
+logger = logging.getLogger(__name__)
 
 
 class Recording:
@@ -36,6 +40,18 @@ class Recording:
         self.pass_queries: dict[int, list[torch.Tensor]] = {}  # KVzip pass: attention layer -> chunks [t, Hq, D]
         self.scaling: dict[int, float] = {}
         self.seconds = 0.0  # spent recording inside the forward
+        self.failed: str | None = None  # why recording stopped (the context then stays uncompacted)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Time one piece of recording; an exception stops this recording only, never the forward."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:  # contained to this parent: its compaction reports it
+            self.failed = f"{type(exc).__name__}: {exc}"
+            logger.exception("sglang_kvx: recording a parent's signals failed; it will stay uncompacted")
+        self.seconds += time.perf_counter() - t0
 
     @staticmethod
     def add(per_key: dict, key: int, value) -> None:
@@ -49,6 +65,8 @@ class Recording:
 
     def fill(self, signals: ContextSignals, gdn_layer_ids: list[int], attention_layer_ids: list[int]) -> None:
         """Put everything recorded into ``signals`` (a parent seen whole: n tokens per signal)."""
+        if self.failed is not None:
+            raise RuntimeError(f"sglang_kvx: recording this context's signals failed ({self.failed})")
         num_layers = len(attention_layer_ids)
         if self.spec.window:
             signals.window_queries = [w.transpose(0, 1) for w in self.window_queries]
@@ -93,30 +111,31 @@ class SignalRecorder:
     def _recorded(self, batch: Batch) -> list[tuple[Segment, Recording]]:
         if not self.recordings or not batch.is_extend:
             return []
-        return [(seg, self.recordings[seg.row]) for seg in batch.segments if seg.row in self.recordings]
+        return [(seg, self.recordings[seg.row]) for seg in batch.segments
+                if seg.row in self.recordings and self.recordings[seg.row].failed is None]
 
     def attention(self, layer: int, q: torch.Tensor, batch: Batch, num_q_heads: int, head_dim: int, scaling: float) -> None:
         """After attention layer ``layer`` ran (its KV is in the pool): what query-reading policies need."""
         for seg, rec in self._recorded(batch):
             if not rec.spec.reads_queries:
                 continue
-            t0 = time.perf_counter()
-            queries = q[seg.start : seg.start + seg.length].reshape(-1, num_q_heads, head_dim).float()
-            if rec.spec.window:
-                rec.add_window(layer, queries)
-            if rec.spec.pass_queries:
-                rec.add(rec.pass_queries, layer, queries)
-                rec.scaling[layer] = scaling
-            if rec.spec.query_statistics:
-                positions = seg.prefix_len + torch.arange(queries.shape[0], device=queries.device)
-                rec.add(rec.query_stats, layer, query_statistics(queries.transpose(0, 1), positions, self._rope_inv_freq()))
-            if rec.spec.column_sums:
-                seq_len = seg.prefix_len + seg.length
-                if rec.column_sums[layer] is None:
-                    rec.column_sums[layer] = torch.zeros(num_q_heads, rec.n, device=queries.device)
-                keys = self.pool.read_keys(layer, self.pool.row(seg.row, seq_len))
-                add_column_sums(rec.column_sums[layer], queries, keys, scaling, seg.prefix_len)
-            rec.seconds += time.perf_counter() - t0
+            with rec.timed():
+                queries = q[seg.start : seg.start + seg.length].reshape(-1, num_q_heads, head_dim).float()
+                if rec.spec.window:
+                    rec.add_window(layer, queries)
+                if rec.spec.pass_queries:
+                    rec.add(rec.pass_queries, layer, queries)
+                    rec.scaling[layer] = scaling
+                if rec.spec.query_statistics:
+                    positions = seg.prefix_len + torch.arange(queries.shape[0], device=queries.device)
+                    rec.add(rec.query_stats, layer,
+                            query_statistics(queries.transpose(0, 1), positions, self._rope_inv_freq()))
+                if rec.spec.column_sums:
+                    seq_len = seg.prefix_len + seg.length
+                    if rec.column_sums[layer] is None:
+                        rec.column_sums[layer] = torch.zeros(num_q_heads, rec.n, device=queries.device)
+                    keys = self.pool.read_keys(layer, self.pool.row(seg.row, seq_len))
+                    add_column_sums(rec.column_sums[layer], queries, keys, scaling, seg.prefix_len)
 
     def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """Before a GDN layer runs (GPU route): recompute beta, g and ||v|| (after the causal conv, as the
@@ -130,36 +149,33 @@ class SignalRecorder:
         weight = layer.conv_weights[v_channels]
         bias = layer.bias[v_channels] if layer.bias is not None else None
         for seg, rec in recorded:
-            t0 = time.perf_counter()
-            start, length = seg.start, seg.length
-            g, beta = gdn_gates(layer.A_log, a[start : start + length], b[start : start + length], layer.dt_bias)
-            # A later prefill chunk continues the conv from the previous chunk's last inputs.
-            tail = rec.conv_tail.get(layer.layer_id)
-            v, rec.conv_tail[layer.layer_id] = causal_conv1d(
-                mixed_qkv[start : start + length, v_channels].float(), weight, bias, tail, layer.activation
-            )
-            v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
-            rec.add(rec.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
-            rec.seconds += time.perf_counter() - t0
+            with rec.timed():
+                start, length = seg.start, seg.length
+                g, beta = gdn_gates(layer.A_log, a[start : start + length], b[start : start + length], layer.dt_bias)
+                # A later prefill chunk continues the conv from the previous chunk's last inputs.
+                tail = rec.conv_tail.get(layer.layer_id)
+                v, rec.conv_tail[layer.layer_id] = causal_conv1d(
+                    mixed_qkv[start : start + length, v_channels].float(), weight, bias, tail, layer.activation
+                )
+                v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
+                rec.add(rec.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
 
     def gdn_signals(self, layer_id: int, row: int, beta: torch.Tensor, g: torch.Tensor, v: torch.Tensor) -> None:
         """What our CPU GDN backend computed anyway for one row of an extend (no recomputation)."""
         rec = self.recordings.get(row)
-        if rec is None or not rec.spec.gdn:
+        if rec is None or not rec.spec.gdn or rec.failed is not None:
             return
-        t0 = time.perf_counter()
-        v = v.float()
-        # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
-        rec.add(rec.gdn, layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
-        rec.seconds += time.perf_counter() - t0
+        with rec.timed():
+            v = v.float()
+            # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
+            rec.add(rec.gdn, layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
 
     def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch) -> None:
         """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""
         for seg, rec in self._recorded(batch):
             if rec.spec.output_gate:
-                t0 = time.perf_counter()
-                per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, self.num_q_heads, -1)
-                # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
-                # in place (a contiguous copy first costs ~1.5x at 4K on one core).
-                rec.add(rec.gates, layer, torch.sigmoid(per_head.float()).mean(dim=-1))
-                rec.seconds += time.perf_counter() - t0
+                with rec.timed():
+                    per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, self.num_q_heads, -1)
+                    # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
+                    # in place (a contiguous copy first costs ~1.5x at 4K on one core).
+                    rec.add(rec.gates, layer, torch.sigmoid(per_head.float()).mean(dim=-1))
