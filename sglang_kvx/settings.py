@@ -121,8 +121,15 @@ def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestField
         protected_prefix_len=_count(raw, "protected_prefix_len", max_tokens),
         allocation=_name(raw, "allocation", allocation_names()),
         compact=compact,
-        decode=parse_decode_settings(raw.get("decode")),
+        decode=_decode(raw.get("decode")),
     )
+
+
+def _decode(raw: Any) -> DecodeSettings | None:
+    try:
+        return parse_decode_settings(raw, field=f"{FIELD_PREFIX}.decode")
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def request_fields_of(custom_params: Any) -> RequestFields:

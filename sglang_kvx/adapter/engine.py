@@ -24,7 +24,7 @@ def Engine(
     from sglang.srt.server_args import ServerArgs
 
     from sglang_kvx.config import build_config
-    from sglang_kvx.adapter.plugin import attach_config
+    from sglang_kvx.adapter.server_config import attach_config
 
     load_plugins()  # hooks must be in place before ServerArgs is built
     config = build_config(kvx_policy, kvx_keep_fraction, kwargs.get("model_path"), kvx_protected_prefix_len, kvx_estimator)

@@ -30,13 +30,11 @@ import os
 import sys
 from typing import Any
 
-from sglang_kvx.config import KvxConfig, KvxConfigError, add_cli_args, build_config
+from sglang_kvx.adapter.server_config import attach_config, config_of, on_cpu_platform
+from sglang_kvx.config import KvxConfigError, add_cli_args, build_config
 
 logger = logging.getLogger(__name__)
 
-# server_args carries the validated config to every process as bookkeeping
-# (an underscore attribute: ServerArgs pickles those along with its fields).
-CONFIG_ATTR = "_kvx_config"
 
 
 def load() -> None:
@@ -88,23 +86,6 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
         raise SystemExit(2) from None
     attach_config(server_args, config)
     return server_args
-
-
-def attach_config(server_args, config: KvxConfig) -> None:
-    setattr(server_args, CONFIG_ATTR, config.to_dict())
-    if config.policy != "none":
-        logger.info("sglang_kvx: policy=%s keep_fraction=%g", config.policy, config.keep_fraction)
-
-
-def config_of(server_args) -> KvxConfig:
-    """The config a process was started with (``none`` when launched without our flags)."""
-    raw = getattr(server_args, CONFIG_ATTR, None)
-    config = KvxConfig(**raw) if raw else KvxConfig()
-    if config.policy_modules:
-        from sglang_kvx.config import import_policy_modules
-
-        import_policy_modules(config.policy_modules)  # their policies, registered in this process too
-    return config
 
 
 # --- CPU platform defaults -----------------------------------------------------
@@ -186,14 +167,6 @@ def _register_attention_backend() -> None:
         return KvxTorchNativeAttnBackend(runner)
 
 
-def _on_cpu_platform() -> bool:
-    from sglang.srt.platforms import current_platform
-
-    from sglang_kvx.adapter.platform import KvxCpuPlatform
-
-    return isinstance(current_platform, KvxCpuPlatform)
-
-
 def _register_gdn_backend() -> None:
     """On the CPU platform, serve GDN layers with our pure-torch backend.
 
@@ -202,7 +175,7 @@ def _register_gdn_backend() -> None:
     the few Triton functions in CPU_STANDINS, only when the CPU platform is
     active. GPU machines keep SGLang's own kernels untouched.
     """
-    if not _on_cpu_platform() or multiprocessing.parent_process() is None:
+    if not on_cpu_platform() or multiprocessing.parent_process() is None:
         return  # model code runs only in scheduler subprocesses
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

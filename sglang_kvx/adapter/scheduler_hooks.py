@@ -32,7 +32,7 @@ def register_scheduler_hooks() -> None:
 
 
 def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
-    from sglang_kvx.adapter.plugin import _on_cpu_platform, config_of
+    from sglang_kvx.adapter.server_config import config_of, on_cpu_platform
 
     config = config_of(scheduler.server_args)
     if not config.enabled:
@@ -40,7 +40,7 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     check_applied()  # compaction without every hook would be wrong: refuse to start
     runtime = build_runtime(scheduler, config)
     # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
-    runtime.gdn_from_backend = _on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
+    runtime.gdn_from_backend = on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
     link = Link(runtime)
     runner = scheduler.tp_worker.model_runner
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
@@ -98,7 +98,7 @@ def build_runtime(scheduler, config):
 def after_get_output_streamer_class(streamer_class, scheduler, *_args, **_kwargs):
     """SGLang's output streamer subclass hook: responses of a compacting server carry
     meta_info["kvx"] (a parent compacted or not and why, a child's compacted prefix)."""
-    from sglang_kvx.adapter.plugin import config_of
+    from sglang_kvx.adapter.server_config import config_of
 
     if not config_of(scheduler.server_args).enabled:
         return streamer_class
@@ -288,7 +288,7 @@ def after_qwen3_next_prepare(result, decoder_layer, *args, **kwargs):
 def after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs):
     """Every full-attention backend SGLang builds gets per-layer lengths (``attention.py``) when
     compaction is on; MLA backends keep their own layout and stay as built (flat budgets only)."""
-    from sglang_kvx.adapter.plugin import config_of
+    from sglang_kvx.adapter.server_config import config_of
 
     if model_runner is None or not config_of(model_runner.server_args).enabled or model_runner.use_mla_backend:
         return backend
@@ -316,7 +316,7 @@ def around_dp_routing(original, controller, req):
     if getattr(req, "routed_dp_rank", None) is None and sampling_params is not None and getattr(req, "input_ids", None):
         affinity = controller.__dict__.get("_kvx_affinity")
         if affinity is None:
-            from sglang_kvx.adapter.plugin import config_of
+            from sglang_kvx.adapter.server_config import config_of
             from sglang_kvx.serve.affinity import ContextAffinity
 
             affinity = controller.__dict__["_kvx_affinity"] = (

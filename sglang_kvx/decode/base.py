@@ -102,33 +102,35 @@ class DecodeSettings:
         return DECODE_STEPS[self.step](**dict(self.options))
 
 
+class DecodeSettingsError(ValueError):
+    """A request's decode settings cannot be served; the message names the field."""
+
+
 def parse_decode_settings(raw: Any, field: str = "custom_params.kvx.decode") -> DecodeSettings | None:
     """Strictly type-check a request's decode settings (None: no decode step)."""
-    from sglang_kvx.settings import SettingsError
-
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise SettingsError(f"{field} must be a JSON object with a \"step\" field")
+        raise DecodeSettingsError(f"{field} must be a JSON object with a \"step\" field")
     step = raw.get("step")
     if not isinstance(step, str) or step not in DECODE_STEPS:
-        raise SettingsError(f"{field}.step must be a string naming one of the valid choices: {', '.join(decode_step_names())}")
+        raise DecodeSettingsError(f"{field}.step must be a string naming one of the valid choices: {', '.join(decode_step_names())}")
     cls = DECODE_STEPS[step]
     unknown = [key for key in raw if key != "step" and key not in cls.options]
     if unknown:
         shown = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= 64 else "a long key"
-        raise SettingsError(f"{field} has an unknown field {shown!r} for step {step!r}; valid fields: "
+        raise DecodeSettingsError(f"{field} has an unknown field {shown!r} for step {step!r}; valid fields: "
                             f"{', '.join(('step',) + cls.options)}")
     options = []
     for key in cls.options:
         if key in raw:
             value = raw[key]
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_OPTION:
-                raise SettingsError(f"{field}.{key} must be a whole number in [0, {MAX_OPTION}]")
+                raise DecodeSettingsError(f"{field}.{key} must be a whole number in [0, {MAX_OPTION}]")
             options.append((key, value))
     settings = DecodeSettings(step, tuple(options))
     try:
         settings.build()
     except ValueError as exc:
-        raise SettingsError(f"{field}: {exc}") from None
+        raise DecodeSettingsError(f"{field}: {exc}") from None
     return settings

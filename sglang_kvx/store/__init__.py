@@ -47,7 +47,6 @@ class CompactedContext:
     reuse_count: int = 0
     active_children: int = 0
     last_used: float = field(default_factory=time.monotonic)
-    owner: str = ""  # who sent the parent (fair eviction); "" = anonymous
 
     @property
     def n(self) -> int:

@@ -1,0 +1,38 @@
+"""The extension's config as every SGLang process sees it, and which platform a process runs on."""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_kvx.config import KvxConfig
+
+logger = logging.getLogger(__name__)
+
+# server_args carries the validated config to every process as bookkeeping
+# (an underscore attribute: ServerArgs pickles those along with its fields).
+CONFIG_ATTR = "_kvx_config"
+
+
+def attach_config(server_args, config: KvxConfig) -> None:
+    setattr(server_args, CONFIG_ATTR, config.to_dict())
+    if config.policy != "none":
+        logger.info("sglang_kvx: policy=%s keep_fraction=%g", config.policy, config.keep_fraction)
+
+
+def config_of(server_args) -> KvxConfig:
+    """The config a process was started with (``none`` when launched without our flags)."""
+    raw = getattr(server_args, CONFIG_ATTR, None)
+    config = KvxConfig(**raw) if raw else KvxConfig()
+    if config.policy_modules:
+        from sglang_kvx.config import import_policy_modules
+
+        import_policy_modules(config.policy_modules)  # their policies, registered in this process too
+    return config
+
+
+def on_cpu_platform() -> bool:
+    from sglang.srt.platforms import current_platform
+
+    from sglang_kvx.adapter.platform import KvxCpuPlatform
+
+    return isinstance(current_platform, KvxCpuPlatform)
