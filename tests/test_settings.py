@@ -120,3 +120,27 @@ def test_layer_ids_from_published_config_forms():
     # A dense model attends in every layer, whatever else its config says.
     dense = traits_of_config({"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4})
     assert dense.attention_layer_ids == (0, 1, 2) and not dense.has_gdn and dense.num_kv_heads == 4
+
+
+def test_the_new_flags_are_validated_before_anything_loads():
+    from sglang_kvx.config import KvxConfigError, build_config
+
+    with pytest.raises(KvxConfigError, match="--kvx-decode-steps must be 'on' or 'off'"):
+        build_config("none", decode_steps="yes")
+    with pytest.raises(KvxConfigError, match="--kvx-policy-modules: cannot import 'no_such_module_kvx'"):
+        build_config("none", policy_modules="no_such_module_kvx")
+    assert build_config("none", decode_steps="on").enabled  # decode steps alone switch the extension on
+    assert not build_config("none").enabled
+
+
+def test_decode_settings_are_typed_and_built_once():
+    from sglang_kvx.decode import DecodeSettings
+
+    fields = parse_request_fields({"decode": {"step": "streamingllm", "sinks": 2, "window": 8}})
+    assert fields.decode == DecodeSettings("streamingllm", (("sinks", 2), ("window", 8)))
+    step = fields.decode.build()
+    assert step.span(1).hidden(20) == (2, 12) and step.live_tokens(30) == 39
+    with pytest.raises(SettingsError, match="custom_params.kvx.decode.window must be a whole number"):
+        parse_request_fields({"decode": {"step": "streamingllm", "window": 2.5}})
+    with pytest.raises(SettingsError, match="window and full_every must be >= 1"):
+        parse_request_fields({"decode": {"step": "span_schedule", "window": 0}})
