@@ -38,9 +38,11 @@ def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     link = link_of(backend)  # put on every backend of a compacting scheduler (adapter/forward.py)
     if link is None or layer.is_cross_attention:
         return {}
+    runtime = link.runtime
+    if not runtime.admission.row_context and not runtime.decode:
+        return {}  # the common case: no running row reads a compacted prefix or runs a decode step
     if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
-    runtime = link.runtime
     index = runtime.compactor.layer_index.get(layer.layer_id)
     if index is None:
         return {}

@@ -112,9 +112,9 @@ def _outcome_streamer(base: type) -> type:
     if base not in _STREAMERS:
         def build_additional_customized_info(self, reqs) -> dict[str, list]:
             runtime = runtime_of(self.tree_cache.req_to_token_pool)
-            if runtime is None:
-                return {"kvx": [[] for _ in reqs]}
-            return {"kvx": [runtime.outcome_once(SGLangRequest(req)) for req in reqs]}
+            outcomes = [runtime.outcome_once(SGLangRequest(req)) for req in reqs] if runtime is not None else []
+            # Most outputs carry nothing to report: then no field at all (nothing to pickle and merge).
+            return {"kvx": outcomes} if any(outcomes) else {}
 
         _STREAMERS[base] = type(f"Kvx{base.__name__}", (base,), {
             "__module__": __name__, "__slots__": (), "has_additional_customized_info": True,
