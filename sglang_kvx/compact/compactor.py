@@ -79,10 +79,13 @@ class Compactor:
         them. Every kept entry is read before anything is written: ``slots`` may overlap the context's."""
         kept = []
         for layer in range(self.pool.num_layers):
-            keys, values = self.pool.read(layer, context_slots)  # [n, kv_heads, D], pool dtype: one layer at a time
-            positions = keep.positions[layer].to(keys.device)  # [kv_heads, K_l]
-            kept.append((compact_gather(keys.transpose(0, 1), positions).transpose(0, 1),
-                         compact_gather(values.transpose(0, 1), positions).transpose(0, 1)))
+            positions = keep.positions[layer].to(context_slots.device)  # [kv_heads, K_l]
+            # Read only the positions some head keeps (pool dtype), then each head's own from those.
+            needed = positions.unique()  # sorted
+            keys, values = self.pool.read(layer, context_slots[needed])  # [U, kv_heads, D]
+            local = torch.searchsorted(needed, positions)
+            kept.append((compact_gather(keys.transpose(0, 1), local).transpose(0, 1),
+                         compact_gather(values.transpose(0, 1), local).transpose(0, 1)))
         for layer, (keys, values) in enumerate(kept):
             cells = layout.layers[layer]
             rank = 0
