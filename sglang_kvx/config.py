@@ -24,6 +24,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
     "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
+    "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
     "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules)."),
     "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
@@ -42,6 +43,7 @@ class KvxConfig:
     model_path: str = ""
     policy_modules: str = ""  # comma-separated modules registering further policies (imported in every process)
     decode_steps: bool = False  # requests may ask for decode-time steps
+    min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
 
     @property
     def enabled(self) -> bool:
@@ -135,6 +137,16 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     return traits_of_config(json.loads(config_file.read_text()))
 
 
+def parse_store_fraction(raw: str | float) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise KvxConfigError(f"--kvx-min-store-fraction must be a number in [0, 1), got {raw!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise KvxConfigError(f"--kvx-min-store-fraction must be in [0, 1), got {value:g}")
+    return value
+
+
 def parse_on_off(raw: str | bool, flag: str) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -163,6 +175,7 @@ def build_config(
     tp_size: int = 1,
     policy_modules: str = "",
     decode_steps: str | bool = "off",
+    min_store_fraction: str | float = 0.25,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -182,6 +195,7 @@ def build_config(
         model_path=str(model_path or ""),
         policy_modules=str(policy_modules or ""),
         decode_steps=parse_on_off(decode_steps, "--kvx-decode-steps"),
+        min_store_fraction=parse_store_fraction(min_store_fraction),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.

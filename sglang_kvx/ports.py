@@ -22,6 +22,7 @@ class KVPool(Protocol):
     bytes_per_entry: int  # one position's keys and values in one attention layer, all KV heads
     can_fold: bool  # every attention layer's entries share one shape and dtype (compact/layout.py)
     has_state: bool  # GDN / conv states to snapshot and restore (hybrid models)
+    total: int  # slots in the pool
     device: torch.device
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

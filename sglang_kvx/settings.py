@@ -151,6 +151,8 @@ class ServerDefaults:
     model_signals: frozenset[str]
     tp_size: int = 1
     per_layer_lengths: bool = True  # False on MLA backends: flat budgets only
+    min_store_fraction: float = 0.25  # share of the pool no request can evict compacted contexts from
+    growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
 
 
 def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:

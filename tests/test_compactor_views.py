@@ -23,6 +23,7 @@ class TensorPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, heads, dim
         self.bytes_per_entry = 2 * heads * dim * 4
         self.can_fold, self.has_state, self.device = True, False, torch.device("cpu")
+        self.total = slots
 
     def layer_id(self, layer):
         return 10 + layer
@@ -107,3 +108,42 @@ def test_admission_evicts_the_least_recently_used_idle_context_for_room():
     admission.make_room(6)
     assert admission.evicted == 2 and pool.room() == 10  # oldest idle first, until it fits
     assert list(store.contexts.values()) == [contexts[0]]
+
+
+def _store_with(pool, store, sizes):
+    from sglang_kvx.compact.layout import fold_layers
+    from sglang_kvx.store import CompactedContext
+
+    contexts = []
+    for i, size in enumerate(sizes):
+        context = CompactedContext(context_ids=(i,) * (size + 1), settings=CompactionSettings("knorm", 0.5, 0, "flat"),
+                                   slots=pool.alloc(size), kept_per_layer=[size] * 3, layout=fold_layers([size] * 3))
+        context.last_used = float(i)
+        store.add(context)
+        contexts.append(context)
+    return contexts
+
+
+def test_the_reserved_share_of_the_store_is_never_evicted():
+    pool = TensorPool(slots=17)  # 16 usable slots
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.4), num_rows=4)
+    old, middle, recent = _store_with(pool, store, [5, 5, 5])  # 0.4 x 17 = 6 slots reserved: the most recent context
+    admission.make_room(11)
+    assert list(store.contexts.values()) == [recent] and admission.evicted == 2
+    admission.make_room(16)  # only the reserved context is left: it stays, and the refusal is counted
+    assert list(store.contexts.values()) == [recent] and admission.refused == 1
+
+
+def test_a_request_that_fits_once_running_requests_finish_waits_instead_of_evicting():
+    pool = TensorPool(slots=17)
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.0), num_rows=4)
+    _store_with(pool, store, [5, 5])
+    running = pool.alloc(5)  # a running request's KV
+    assert pool.room() == 1
+    admission.make_room(6)  # 1 free + 5 back when the running request ends: it waits
+    assert len(store) == 2 and admission.deferred == 1 and admission.evicted == 0
+    admission.make_room(8)  # more than that: only eviction can make the room (two 5-slot contexts)
+    assert len(store) == 0 and admission.evicted == 2
+    pool.free(running)

@@ -79,6 +79,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             tp_size=int(server_args.tp_size or 1),
             policy_modules=getattr(args, "kvx_policy_modules", ""),
             decode_steps=getattr(args, "kvx_decode_steps", "off"),
+            min_store_fraction=getattr(args, "kvx_min_store_fraction", "0.25"),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.

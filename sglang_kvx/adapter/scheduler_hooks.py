@@ -81,6 +81,7 @@ def build_runtime(scheduler, config):
         policy=config.policy, keep_fraction=config.keep_fraction, protected_prefix_len=config.protected_prefix_len,
         model_signals=traits_of_config(runner.model_config.hf_config.to_dict()).signals,
         tp_size=int(scheduler.tp_size), per_layer_lengths=has_per_layer_lengths(runner.attn_backend),
+        min_store_fraction=config.min_store_fraction, growth_estimate_cap=growth_estimate_cap(),
     )
 
     def submit(rid: str, input_ids: list[int]) -> None:
@@ -121,6 +122,13 @@ def _outcome_streamer(base: type) -> type:
             "build_additional_customized_info": build_additional_customized_info,
         })
     return _STREAMERS[base]
+
+
+def growth_estimate_cap() -> int:
+    """SGLang's cap on a request's estimated growth when its scheduler admits it."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    return int(CLIP_MAX_NEW_TOKENS)
 
 
 def around_flush_cache(original, scheduler, *args, **kwargs):

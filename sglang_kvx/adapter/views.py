@@ -32,6 +32,7 @@ class SGLangKVPool:
         self.device = first.device
         self.bytes_per_entry = 2 * self.num_kv_heads * self.head_dim * first.element_size()
         self.has_state = self._state_pool is not None
+        self.total = int(scheduler.max_total_num_tokens)
 
         def kinds(buffer_of) -> set:
             return {(tuple(buffer_of(i).shape[1:]), buffer_of(i).dtype, buffer_of(i).device) for i in self._layer_ids}

@@ -41,8 +41,12 @@ class RequestState:
 
 class Admission:
     def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, num_rows: int,
-                 parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None) -> None:
+                 parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None,
+                 held_slots: Callable[[], int] | None = None) -> None:
         self.pool = pool
+        self.held_slots = held_slots or store.slots_held  # slots held outside requests and the prefix cache
+        self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
+        self.refused = 0  # times the rest of the store was reserved or in use: no eviction
         self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
         self.store = store
         self.defaults = defaults
@@ -90,7 +94,9 @@ class Admission:
         state = self.state_of(request)
         if state is None:
             return False
-        wanted = len(request.input_ids) + (request.max_new_tokens or 0)
+        # SGLang's own estimate of what a request will need: its prompt and its growth, clipped as
+        # SGLang clips it when admitting (a huge max_new_tokens reserves no more than that).
+        wanted = len(request.input_ids) + min(request.max_new_tokens or 0, self.defaults.growth_estimate_cap)
         if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
             self.make_room(len(request.input_ids) - internal_context.n, keep=internal_context)
             request.keep_out_of_tree()
@@ -136,16 +142,44 @@ class Admission:
     def make_room(self, tokens: int, keep: CompactedContext | None = None) -> None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
         what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
-        SGLang retries a request that does not fit, so this runs again until it does."""
-        while self.pool.room() < tokens:
-            idle = [c for c in self.store.contexts.values() if c.active_children == 0 and c is not keep]
+
+        Never for a request that fits once the running requests finish (SGLang queues it; it
+        retries, so this runs again), and never the most recently used contexts within the store's
+        reserved share of the pool (``--kvx-min-store-fraction``): no request, and no client's
+        parents, can empty the store below it."""
+        room = self.pool.room()
+        if room >= tokens:
+            return
+        running = self.pool.total - room - self.held_slots()  # held by requests now in flight
+        if running > 0 and room + running >= tokens:
+            self.deferred += 1
+            return
+        reserved = self._reserved(keep)
+        while room < tokens:
+            idle = [c for c in self.store.contexts.values()
+                    if c.active_children == 0 and c is not keep and id(c) not in reserved]
             if not idle:
+                self.refused += 1  # what is left is reserved or in use: SGLang queues or refuses the request
                 return
             victim = min(idle, key=lambda c: c.last_used)
             self.store.remove(victim)
             self.pool.free(victim.slots)
             self.evicted += 1
+            room = self.pool.room()
             logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def _reserved(self, keep: CompactedContext | None) -> set[int]:
+        """The most recently used contexts whose slots fit the store's reserved share."""
+        budget = int(self.defaults.min_store_fraction * self.pool.total)
+        reserved: set[int] = set()
+        for context in sorted(self.store.contexts.values(), key=lambda c: c.last_used, reverse=True):
+            if context is keep:
+                continue
+            if context.num_slots > budget:
+                break
+            budget -= context.num_slots
+            reserved.add(id(context))
+        return reserved
 
     def _check_parent(self, request: Request, state: RequestState) -> None:
         if state.checked:

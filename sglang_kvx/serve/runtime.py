@@ -54,7 +54,8 @@ class Runtime:
         self.defaults = defaults
         self.store = ContextStore()
         self._policies: dict[str, KVPolicy] = {}
-        self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem)
+        self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem,
+                                   held_slots=self.held_slots)
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths)
@@ -263,6 +264,8 @@ class Runtime:
             "compactions_failed": self.failures,
             "last_compaction_error": self.errors[-1] if self.errors else None,
             "contexts_evicted": self.admission.evicted,
+            "evictions_deferred_to_waiting": self.admission.deferred,
+            "evictions_refused_reserved": self.admission.refused,
             "kvzip_passes_pending": len(self.kvzip.jobs),
             "decode_rows": len(self.decode.rows),
             "decode_slots_freed": self.decode.freed_slots,
