@@ -22,6 +22,9 @@ from sglang_kvx.decode import DecodeSettings, parse_decode_settings
 from sglang_kvx.policies import get_policy, servable_policy_names
 
 FIELD_PREFIX = "custom_params.kvx"
+# Set at the door on generating requests with n > 1: SGLang first sends their prompt as a prefill-only
+# warm-up copy (same custom_params), which must not be taken for a context to compact.
+GENERATING_MARK = "kvx_from_generating_request"
 MAX_NAME_LENGTH = 64
 
 

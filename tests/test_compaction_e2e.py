@@ -341,3 +341,14 @@ def test_each_response_says_what_was_compacted(compacting):
     none_kept = kvx_info(generate(server, tiny, 0, sampling=kvx("keydiff", 0.001)))
     assert none_kept["compacted"] is False and "keeps no entry" in none_kept["reason"]
     assert not [c for c in server.stats()["compacted_contexts"] if c["context_tokens"] in (1, len(tiny))]
+
+
+def test_parallel_sampling_leaves_no_unrequested_context(compacting):
+    """n > 1: SGLang warms the prompt up with a prefill-only copy; that copy is no parent."""
+    name, server, ref = compacting
+    prompt = ref.encode(text(70, seed=74))
+    body = server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 0.8}})
+    assert body.status_code == 200 and len(body.json()) == 2, body.text
+    assert not [c for c in server.stats()["compacted_contexts"] if c["context_tokens"] == len(prompt)]
+    compact(server, prompt, "knorm", 0.5)  # the same prompt sent as a context is compacted as usual
+    assert stored(server, len(prompt), "knorm", 0.5)["slots"] > 0

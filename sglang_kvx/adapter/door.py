@@ -11,7 +11,7 @@ internal namespace.
 from __future__ import annotations
 
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX
-from sglang_kvx.settings import SettingsError, parse_request_fields
+from sglang_kvx.settings import GENERATING_MARK, SettingsError, parse_request_fields
 
 
 def register_door() -> None:
@@ -32,6 +32,20 @@ def after_validate_one_request(_result, tokenizer_manager, obj, input_ids=None, 
     )
     if problem is not None:
         raise ValueError(problem)
+    mark_parallel_sampling(getattr(obj, "sampling_params", None))
+
+
+def mark_parallel_sampling(sampling_params) -> None:
+    """A generating request with n > 1: SGLang warms its prefix up with a prefill-only copy sharing
+    these custom_params; the mark tells the scheduler that copy is not a context to compact."""
+    if not isinstance(sampling_params, dict):
+        return
+    n, max_new_tokens = sampling_params.get("n", 1), sampling_params.get("max_new_tokens")
+    if isinstance(n, int) and n > 1 and max_new_tokens != 0:
+        custom = sampling_params.get("custom_params")
+        custom = dict(custom) if isinstance(custom, dict) else {}
+        custom[GENERATING_MARK] = True
+        sampling_params["custom_params"] = custom
 
 
 def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates: bool) -> str | None:

@@ -19,7 +19,7 @@ import torch
 
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
-from sglang_kvx.settings import CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_settings
+from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_settings
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,10 @@ class Admission:
                 request.abort(f"sglang_kvx: {exc}")
                 return None
             parent = fields.compact if fields.compact is not None else request.max_new_tokens == 0
+            # SGLang's prefix warm-up for parallel sampling (n > 1) is prefill-only but no context.
+            custom = request.custom_params
+            if fields.compact is None and isinstance(custom, dict) and custom.get(GENERATING_MARK) is True:
+                parent = False
             # Without a policy (a decode-steps-only server) a request is a parent only by naming one.
             parent = parent and (fields.policy is not None or get_policy(self.defaults.policy).compacts)
             state = request.state = RequestState(fields=fields, parent=parent)
