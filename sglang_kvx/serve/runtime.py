@@ -13,7 +13,6 @@ context stays uncompacted with the reason in ``/kvx/stats``, and the scheduler g
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Sequence
 
 import torch
