@@ -1,0 +1,139 @@
+"""Decode attention over sinks + a recent window of the paged KV (ops/window_attention.py).
+
+The torch reference is checked against an independent dense computation (every key of the row,
+a plain masked softmax per head) and against the prefix-cells op with the hidden interval
+[sinks, seq_len - window); the Triton kernel against the reference under TRITON_INTERPRET=1.
+The FlashInfer path needs CUDA and is not exercised here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_kvx.ops.prefix_attention import prefix_cells_attention_reference
+from sglang_kvx.ops.window_attention import window_attention, window_attention_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_case(seed: int, dtype: torch.dtype = torch.float32, kv_heads: int = 2, heads: int = 4) -> dict:
+    """Seven rows over a shared pool: Local with sinks, Local without sinks, Full (window 0), a
+    window longer than the row, sinks reaching into the window, a one-key row, a negative window."""
+    g = torch.Generator().manual_seed(seed)
+    pool, dim, v_dim = 700, 24, 16
+    req_to_token = torch.randperm(pool, generator=g)[: 8 * 85].reshape(8, 85).to(torch.int32)
+    return dict(
+        q=torch.randn(7, heads, dim, generator=g).to(dtype),
+        k_cache=torch.randn(pool, kv_heads, dim, generator=g).to(dtype),
+        v_cache=torch.randn(pool, kv_heads, v_dim, generator=g).to(dtype),
+        req_to_token=req_to_token,
+        rows=torch.tensor([4, 0, 2, 7, 1, 5, 3]),
+        seq_lens=torch.tensor([60, 85, 40, 12, 30, 1, 50]),
+        sinks=torch.tensor([4, 0, 3, 2, 25, 4, 2]),
+        window=torch.tensor([16, 20, 0, 12, 10, 8, -1]),
+        scaling=0.2, k_scale=1.5, v_scale=0.5,
+    )
+
+
+def by_hand(case: dict) -> torch.Tensor:
+    """Per row and head: all the row's keys, those outside sinks + window masked, plain softmax."""
+    num_heads = case["q"].shape[1]
+    group = num_heads // case["k_cache"].shape[1]
+    out = torch.empty(case["q"].shape[0], num_heads, case["v_cache"].shape[-1])
+    for b in range(case["q"].shape[0]):
+        row, seq_len = int(case["rows"][b]), int(case["seq_lens"][b])
+        sinks, window = int(case["sinks"][b]), int(case["window"][b])
+        full = window <= 0 or window >= seq_len
+        seen = torch.tensor([full or j < sinks or j >= seq_len - window for j in range(seq_len)])
+        slots = case["req_to_token"][row, :seq_len].long()
+        for h in range(num_heads):
+            keys = case["k_cache"][slots, h // group].double() * case["k_scale"]
+            values = case["v_cache"][slots, h // group].double() * case["v_scale"]
+            logits = (keys @ case["q"][b, h].double()) * case["scaling"]
+            weights = torch.exp(logits - logits[seen].max()) * seen
+            out[b, h] = (weights / weights.sum() @ values).float()
+    return out
+
+
+@pytest.mark.parametrize("kv_heads,heads", [(2, 4), (1, 3), (4, 4)])
+def test_reference_sees_exactly_sinks_and_window(kv_heads, heads) -> None:
+    case = random_case(0, kv_heads=kv_heads, heads=heads)
+    got = window_attention_reference(**case)
+    assert got.shape == (7, heads, 16) and got.dtype == torch.float32
+    assert torch.allclose(got, by_hand(case), atol=1e-5)
+    # Reading every key is plain Full attention, which differs on the Local rows: the check can fail.
+    full = {**case, "window": torch.zeros(7, dtype=torch.long)}
+    assert torch.allclose(window_attention_reference(**full), by_hand(full), atol=1e-5)
+    local = torch.tensor([True, True, False, False, False, False, False])
+    differs = (window_attention_reference(**full) - got).abs().amax(dim=(1, 2)) > 1e-3
+    assert torch.equal(differs, local)  # rows 2-6 read their whole row either way
+
+
+def test_prefix_op_with_the_hidden_interval_is_the_window_op() -> None:
+    """The prefix-cells op hiding [sinks, seq_len - window) (nothing for Full rows) is the same attention."""
+    case = random_case(1)
+    full = (case["window"] <= 0) | (case["window"] >= case["seq_lens"])
+    hidden_from = torch.where(full, 0, case["sinks"])
+    hidden_to = torch.where(full, 0, case["seq_lens"] - case["window"])
+    prefix = prefix_cells_attention_reference(
+        case["q"], case["k_cache"], case["v_cache"], case["req_to_token"], case["rows"], case["seq_lens"],
+        torch.ones(7, dtype=torch.long), hidden_from, hidden_to,
+        case["k_cache"][:0], case["v_cache"][:0], torch.zeros(8, dtype=torch.long),
+        case["scaling"], case["k_scale"], case["v_scale"])
+    assert torch.allclose(window_attention(**case), prefix, atol=1e-5)
+
+
+def test_cpu_dispatch_is_the_reference_and_keeps_the_dtype() -> None:
+    case = random_case(2, torch.bfloat16)
+    got = window_attention(**case)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, window_attention_reference(**case))
+    empty = {**case, "q": case["q"][:0], **{k: case[k][:0] for k in ("rows", "seq_lens", "sinks", "window")}}
+    assert window_attention(**empty).shape == (0, 4, 16)
+
+
+def test_triton_kernel_matches_the_reference_under_the_interpreter() -> None:
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from test_ops_window_attention import random_case\n"
+        "from sglang_kvx.ops.window_attention import window_attention\n"
+        "from sglang_kvx.ops.triton_window_attention import window_attention_triton\n"
+        "for seed, dtype, kv, h in [(3, torch.float32, 2, 4), (4, torch.float32, 1, 3), (5, torch.bfloat16, 2, 4)]:\n"
+        "    case = random_case(seed, dtype, kv, h)\n"
+        "    want = window_attention(**case, impl='torch').float()\n"
+        "    got = window_attention(**case, impl='triton').float()\n"
+        "    small_tiles = window_attention_triton(**case, block_n=4).float()\n"
+        "    print(dtype, float((got - want).abs().max()), float((small_tiles - want).abs().max()))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 3, result.stdout
+    for line in lines:
+        dtype, err, err_small = line.split()
+        limit = 1e-4 if dtype == "torch.float32" else 1e-2  # bf16 outputs round at ~4e-3
+        assert float(err) < limit and float(err_small) < limit, line
+
+
+def test_bad_inputs_and_cpu_kernels_are_refused(monkeypatch) -> None:
+    case = random_case(0)
+    with pytest.raises(ValueError, match="Hkv dividing Hq"):
+        window_attention(**{**case, "q": case["q"][:, :3]})
+    with pytest.raises(ValueError, match="one entry per query row"):
+        window_attention(**{**case, "sinks": case["sinks"][:3]})
+    with pytest.raises(ValueError, match="seq_len >= 1"):
+        window_attention(**{**case, "seq_lens": case["seq_lens"] * 0})
+    with pytest.raises(ValueError, match="impl"):
+        window_attention(**case, impl="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        window_attention(**case, impl="triton")
+    with pytest.raises(RuntimeError, match="FlashInfer"):
+        window_attention(**case, impl="flashinfer")
