@@ -1,0 +1,165 @@
+"""The On-Demand Attention oracle in HF transformers (seed 003, Algorithm 1 (b), appendix A.5).
+
+Greedy decoding where every routed step first runs Local attention (the first ``sinks`` keys and
+the ``window`` most recent, the current one included; the rest of the retained cache is masked
+with HF's own attention mask exactly as ``HFReference.span_generate`` does), asks
+``route(step, prev_h, emb, local_h)`` whether to re-run the step with Full attention, and if so
+restores the pre-step cache (a deep copy taken before the Local attempt: KV, and on hybrid models
+the GDN recurrent and conv states) and runs Full. Only the chosen branch's logits, final hidden
+state and cache are committed; the full KV history is always kept.
+
+Steps are numbered as in ``sglang_kvx.decode.base``: the prefill (Full) produces output token 1;
+routed step t feeds output token t, so N outputs take N - 1 routed steps. Route inputs (``[hidden]``
+float32 tensors) are the ones ``sglang_kvx.decode.recall_head`` documents: ``prev_h`` the committed
+final hidden state of the previous step (the prefill's last position for step 1), ``emb`` the
+current token's input embedding row, ``local_h`` the Local attempt's final hidden state (after the
+final norm, the LM head's input).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from sglang_kvx.decode.base import Span
+from sglang_kvx.reference.hf import HFReference
+
+Route = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool]
+
+
+@dataclass
+class ODAResult:
+    tokens: list[int]
+    logprobs: list[float]
+    full_steps: list[bool]  # per routed step (len(tokens) - 1): True where Full was committed
+    hidden: list[torch.Tensor] = field(default_factory=list)  # committed final hidden, prefill's first
+
+    @property
+    def full_rate(self) -> float:
+        return sum(self.full_steps) / len(self.full_steps) if self.full_steps else 0.0
+
+
+def _hf_model(model: Any):
+    return model.model if isinstance(model, HFReference) else model
+
+
+def span_mask(seq_len: int, sinks: int, window: int | None) -> torch.Tensor:
+    """HF's 2-D attention mask [1, seq_len] for a step reading ``seq_len`` keys (its own included):
+    ones on the first ``sinks`` and the last ``window`` keys, zeros between (all ones for Full)."""
+    mask = torch.ones(1, seq_len, dtype=torch.long)
+    start, end = Span(sinks, window).hidden(seq_len)
+    mask[0, start:end] = 0
+    return mask
+
+
+@torch.no_grad()
+def forward_step(model: Any, cache: Any, token: int, seq_len: int, sinks: int = 0,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One one-token forward of ``token`` at position ``seq_len - 1`` over ``cache`` (updated in
+    place: its KV appended, recurrent states advanced), attending to the span (sinks, window)
+    (``window`` None: Full). Returns (final hidden [hidden] after the final norm, logits [vocab])."""
+    lm = _hf_model(model)
+    position = torch.tensor([[seq_len - 1]])
+    out = lm.model(torch.tensor([[token]]), attention_mask=span_mask(seq_len, sinks, window), position_ids=position,
+                   cache_position=position[0], past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state[0, -1]
+    return hidden.float(), lm.lm_head(hidden).float()
+
+
+@torch.no_grad()
+def prefill(model: Any, input_ids: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Full prefill: (cache, last position's final hidden [hidden], its logits [vocab])."""
+    lm = _hf_model(model)
+    out = lm.model(torch.tensor([input_ids]), use_cache=True)
+    hidden = out.last_hidden_state[0, -1]
+    return out.past_key_values, hidden.float(), lm.lm_head(hidden).float()
+
+
+def embed(model: Any, token: int) -> torch.Tensor:
+    """The model's input embedding row of ``token`` (embed_tokens(token)), float32 [hidden]."""
+    return _hf_model(model).get_input_embeddings().weight[token].detach().float()
+
+
+@torch.no_grad()
+def oda_generate(model: HFReference | Any, input_ids: list[int], max_new_tokens: int, sinks: int, window: int,
+                 route: Route, keep_hidden: bool = False) -> ODAResult:
+    """Greedy ODA decoding (no EOS stop). ``model``: an HFReference or an HF causal LM.
+    ``route(step, prev_h, emb, local_h) -> bool`` (True: re-run the step with Full)."""
+    cache, prev_h, logits = prefill(model, input_ids)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    full_steps: list[bool] = []
+    hidden = [prev_h] if keep_hidden else []
+    while True:
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+        if len(tokens) == max_new_tokens:
+            break
+        step, seq_len = len(tokens), len(input_ids) + len(tokens)
+        pre_step = copy.deepcopy(cache)  # KV and GDN / conv states before this step
+        local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
+        full = bool(route(step, prev_h, embed(model, token), local_h))
+        if full:
+            cache = pre_step  # the Local attempt is discarded: nothing of it is committed
+            prev_h, logits = forward_step(model, cache, token, seq_len)
+        else:
+            prev_h, logits = local_h, local_logits
+        full_steps.append(full)
+        if keep_hidden:
+            hidden.append(prev_h)
+    return ODAResult(tokens, logprobs, full_steps, hidden)
+
+
+# --- fixed schedules and the learned head, as routes -------------------------------------------
+
+def always_local(step: int, prev_h: torch.Tensor, emb: torch.Tensor, local_h: torch.Tensor) -> bool:
+    return False
+
+
+def always_full(step: int, prev_h: torch.Tensor, emb: torch.Tensor, local_h: torch.Tensor) -> bool:
+    return True
+
+
+def every_kth(k: int) -> Route:
+    """Full on steps k, 2k, ... (``span_schedule``'s ``full_every`` rule)."""
+    return lambda step, prev_h, emb, local_h: step % k == 0
+
+
+def head_route(head: Any, theta: float = 0.0, scores: list[float] | None = None) -> Route:
+    """The learned rule: Full iff head(prev_h, emb, local_h) > theta or the score is not finite.
+    Appends each score to ``scores`` when given."""
+    def route(step: int, prev_h: torch.Tensor, emb: torch.Tensor, local_h: torch.Tensor) -> bool:
+        score = float(head(prev_h[None], emb[None], local_h[None])[0])
+        if scores is not None:
+            scores.append(score)
+        return not (score <= theta)  # NaN compares False: a non-finite score takes Full
+    return route
+
+
+# --- paired supervision (training, A.3) ---------------------------------------------------------
+
+def _croppable(cache: Any) -> bool:
+    """Whether every layer is plain KV (a dense model): then dropping the Local attempt's entry
+    restores the pre-step cache, with no copy of the whole history."""
+    return all(not hasattr(layer, "recurrent_states") for layer in getattr(cache, "layers", [None]))
+
+
+@torch.no_grad()
+def paired_step(model: Any, cache: Any, token: int, seq_len: int, sinks: int,
+                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Both counterfactuals of one step from the same pre-step (Full-history) ``cache``: Local,
+    then Full from the restored pre-step state, which is committed (the Full trunk goes on).
+    Returns (local_h, local_logits, full_h, full_logits, cache after the Full step)."""
+    if _croppable(cache):
+        local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
+        cache.crop(seq_len - 1)
+    else:
+        pre_step = copy.deepcopy(cache)
+        local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
+        cache = pre_step
+    full_h, full_logits = forward_step(model, cache, token, seq_len)
+    return local_h, local_logits, full_h, full_logits, cache
