@@ -14,6 +14,7 @@ a large value back.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ FIELD_PREFIX = "custom_params.kvx"
 # warm-up copy (same custom_params), which must not be taken for a context to compact.
 GENERATING_MARK = "kvx_from_generating_request"
 MAX_NAME_LENGTH = 64
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 
 class SettingsError(ValueError):
@@ -52,6 +54,7 @@ class RequestFields:
     allocation: str | None = None
     compact: bool | None = None
     decode: DecodeSettings | None = None  # a decode-time step for this request (sglang_kvx.decode)
+    tenant: str | None = None  # whose contexts these are: each tenant's share of the store's reserve is its own
 
     @property
     def wants_full_cache(self) -> bool:
@@ -110,7 +113,7 @@ def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestField
         return NO_FIELDS
     if not isinstance(raw, dict):
         raise SettingsError(f"{FIELD_PREFIX} must be a JSON object; got {_short(raw)}")
-    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact", "decode"}
+    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact", "decode", "tenant"}
     unknown = [key for key in raw if key not in known]
     if unknown:
         name = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= MAX_NAME_LENGTH else "a long key"
@@ -125,7 +128,17 @@ def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestField
         allocation=_name(raw, "allocation", allocation_names()),
         compact=compact,
         decode=_decode(raw.get("decode")),
+        tenant=_tenant(raw.get("tenant")),
     )
+
+
+def _tenant(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or TENANT_PATTERN.fullmatch(value) is None:
+        raise SettingsError(f"{FIELD_PREFIX}.tenant must be a string of 1 to 64 letters, digits or ._:@-; "
+                            f"got {_short(value)}")
+    return value
 
 
 def _decode(raw: Any) -> DecodeSettings | None:

@@ -261,6 +261,40 @@ def test_idle_compacted_contexts_are_evicted_when_the_pool_fills(compacting):
     assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == total
 
 
+def test_one_tenant_cannot_evict_another_tenants_reserved_context(compacting):
+    """Fair memory: tenant b's context, within b's share of the store's reserve (0.25 of the pool,
+    split over the tenants holding contexts), outlives a flood of tenant a's parents and a request
+    asking for a very long generation; a's own contexts make way, oldest first."""
+    name, server, ref = compacting
+    server.flush()
+    total = server.stats()["kv_pool_total_tokens"]
+
+    def tagged(tenant, policy="knorm", keep_fraction=0.9):
+        return {"custom_params": {"kvx": {"policy": policy, "keep_fraction": keep_fraction, "tenant": tenant}}}
+
+    b_context = ref.encode(text(300, seed=300))
+    question = ref.encode(" what now?")
+    generate(server, b_context, 0, sampling=tagged("b"))
+    before = generate(server, b_context + question, 6, sampling=tagged("b"))
+    assert before["meta_info"]["kvx"][-1]["child"] is True
+    a_contexts = [ref.encode(text(500, seed=310 + i)) for i in range(12)]  # 12 x ~900 slots > the pool
+    for context in a_contexts:
+        generate(server, context, 0, sampling=tagged("a"))
+    with pytest.raises(requests.Timeout):  # an untagged request that could reserve half the pool
+        server.generate({"input_ids": ref.encode(" go"), "sampling_params": {**GREEDY, "max_new_tokens": 4000}},
+                        timeout=1.0)
+    stats = wait_idle(server, total)
+    tenants = [c["tenant"] for c in stats["compacted_contexts"]]
+    assert stats["contexts_evicted"] > 0 and tenants.count("b") == 1, tenants
+    assert stats["store_reserved_slots"] >= stored(server, len(b_context), "knorm", 0.9)["slots"]
+    after = generate(server, b_context + question, 6, sampling=tagged("b"))
+    assert after["meta_info"]["kvx"][-1]["child"] is True and after["output_ids"] == before["output_ids"]
+    # a's oldest context went first: its child is served from the full prefill, as the oracle says.
+    body = generate(server, a_contexts[0] + question, 6, sampling=tagged("a"))
+    assert "kvx" not in body["meta_info"] or not body["meta_info"]["kvx"]
+    assert body["output_ids"] == ref.greedy(a_contexts[0] + question, 6)
+
+
 def test_a_full_cache_request_never_adopts_a_compacted_context(compacting):
     name, server, ref = compacting
     context = ref.encode(text(150, seed=41))

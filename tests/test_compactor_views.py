@@ -110,7 +110,7 @@ def test_admission_evicts_the_least_recently_used_idle_context_for_room():
     assert list(store.contexts.values()) == [contexts[0]]
 
 
-def _store_with(pool, store, sizes):
+def _store_with(pool, store, sizes, tenants=None):
     from sglang_kvx.compact.layout import fold_layers
     from sglang_kvx.store import CompactedContext
 
@@ -119,6 +119,7 @@ def _store_with(pool, store, sizes):
         context = CompactedContext(context_ids=(i,) * (size + 1), settings=CompactionSettings("knorm", 0.5, 0, "flat"),
                                    slots=pool.alloc(size), kept_per_layer=[size] * 3, layout=fold_layers([size] * 3))
         context.last_used = float(i)
+        context.tenant = tenants[i] if tenants else None
         store.add(context)
         contexts.append(context)
     return contexts
@@ -147,3 +148,30 @@ def test_a_request_that_fits_once_running_requests_finish_waits_instead_of_evict
     admission.make_room(8)  # more than that: only eviction can make the room (two 5-slot contexts)
     assert len(store) == 0 and admission.evicted == 2
     pool.free(running)
+
+
+def test_one_tenants_parents_cannot_evict_another_tenants_share_of_the_reserve():
+    pool = TensorPool(slots=41)  # 40 usable slots; 0.5 x 41 = 20 reserved: 10 per tenant while two hold contexts
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5), num_rows=4)
+    b_old, *a_contexts = _store_with(pool, store, [5, 5, 5, 5, 5, 5], tenants=["b", "a", "a", "a", "a", "a"])
+    # b holds 5 of its 10: its context, and a's three most recent (15 of the 15 left to a), are reserved.
+    assert admission.reserved_slots() == 20
+    admission.make_room(25, tenant="a")  # a's parents: what nobody reserves, then a's own, oldest first
+    assert b_old in store.contexts.values()  # b's context is older than all of a's, and still there
+    assert len(store) == 3 and admission.evicted == 3 and pool.room() == 25
+    admission.make_room(36, tenant="a")  # only b's reserved context is left: refused
+    assert b_old in store.contexts.values() and admission.refused == 1
+    admission.make_room(37)  # nor can an untagged request take it
+    assert b_old in store.contexts.values() and admission.refused == 2
+    admission.make_room(37, tenant="b")  # b may evict its own
+    assert len(store) == 0
+
+
+def test_a_share_a_tenant_leaves_unused_goes_to_the_others():
+    pool = TensorPool(slots=41)
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5), num_rows=4)
+    _store_with(pool, store, [2, 5, 5, 5, 5], tenants=["b", "a", "a", "a", "a"])
+    # b holds 2 of its 10: a may keep 18 -> its three most recent contexts (15 slots).
+    assert admission.reserved_slots() == 17

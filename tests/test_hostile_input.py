@@ -49,6 +49,7 @@ def malformed_kvx_cases() -> list[tuple[str, dict]]:
         "allocation": ["list", "object", "true", "float", "unknown_name", "long_string", "empty_string"],
         "compact": ["string_false", "zero", "float", "list", "object", "long_string"],
         "decode": ["list", "string_number", "true", "float", "empty_object", "deep_object", "long_string"],
+        "tenant": ["list", "object", "true", "float", "long_string", "empty_string", "zero"],
     }
     values = bad_values()
     cases = [(f"{field}={name}", {field: values[name]}) for field, names in fields.items() for name in names]
@@ -61,6 +62,8 @@ def malformed_kvx_cases() -> list[tuple[str, dict]]:
         ("decode.extra_field", {"decode": {"step": "streamingllm", "windw": 4}}),
         ("decode.full_every=zero", {"decode": {"step": "span_schedule", "full_every": 0}}),
         ("decode.huge", {"decode": {"step": "span_schedule", "window": 10**40}}),
+        ("tenant=path", {"tenant": "../../etc/passwd"}),
+        ("tenant=spaces", {"tenant": "team a"}),
         ("unknown_field", {"polcy": "snapkv"}),
         ("long_unknown_field", {"y" * 5000: 1}),
         ("many_unknown_fields", {f"f{i}": i for i in range(2000)}),

@@ -33,6 +33,11 @@ DENSE = ServerDefaults("knorm", 0.5, 0, frozenset({"keys", "values", "attention"
     ({"compact": 0}, "compact must be true or false"),
     ({"allocation": "pyramid"}, "valid choices"),
     ({"polcy": "snapkv"}, "unknown field 'polcy'"),
+    ({"tenant": ""}, "tenant must be a string of 1 to 64"),
+    ({"tenant": "a" * 65}, "tenant must be a string"),
+    ({"tenant": "a b"}, "tenant must be a string"),
+    ({"tenant": 7}, "tenant must be a string"),
+    ({"tenant": ["team-a"]}, "tenant must be a string"),
     ([1, 2, 3], "must be a JSON object"),
     ("snapkv", "must be a JSON object"),
 ])
@@ -45,8 +50,10 @@ def test_bad_fields_are_refused_naming_the_field(raw, fragment):
 
 
 def test_good_fields_parse_once_into_frozen_settings():
-    fields = parse_request_fields({"policy": "snapkv", "keep_fraction": 1, "protected_prefix_len": 4, "compact": True})
-    assert fields == RequestFields(policy="snapkv", keep_fraction=1.0, protected_prefix_len=4, compact=True)
+    fields = parse_request_fields({"policy": "snapkv", "keep_fraction": 1, "protected_prefix_len": 4, "compact": True,
+                                   "tenant": "team-a.prod:1"})
+    assert fields == RequestFields(policy="snapkv", keep_fraction=1.0, protected_prefix_len=4, compact=True,
+                                   tenant="team-a.prod:1")
     settings = resolve_settings(fields, DENSE)
     assert settings == CompactionSettings("snapkv", 1.0, 4, "flat")
     with pytest.raises(AttributeError):

@@ -116,7 +116,7 @@ class KVzipSecondPass:
         job = self.jobs.get(rid)
         return job.context if job is not None else None
 
-    def start(self, request: Request, settings: CompactionSettings) -> bool:
+    def start(self, request: Request, settings: CompactionSettings, tenant: str | None = None) -> bool:
         """Hold the parent's full context and queue its reconstruction passes (False: no room)."""
         context_ids = tuple(int(t) for t in request.input_ids)
         n = len(context_ids)
@@ -134,6 +134,7 @@ class KVzipSecondPass:
         request.keep_out_of_tree()
         snapshot = self.pool.snapshot_state(request) if self.pool.has_state else None
         context = full_context(context_ids, settings, slots, self.pool.num_layers, snapshot)
+        context.tenant = tenant
         job = KVzipJob(context=context, passes={},
                        totals=[torch.zeros(self.pool.num_kv_heads, n, device=self.pool.device)
                                for _ in range(self.pool.num_layers)])
@@ -197,6 +198,7 @@ class KVzipSecondPass:
             return
         if context.num_slots < len(held):
             self.pool.free(held[context.num_slots :])
+        context.tenant = job.context.tenant
         self.store.add(context)
 
     def forget_all(self) -> None:

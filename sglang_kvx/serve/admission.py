@@ -102,14 +102,16 @@ class Admission:
         # SGLang clips it when admitting (a huge max_new_tokens reserves no more than that).
         wanted = len(request.input_ids) + min(request.max_new_tokens or 0, self.defaults.growth_estimate_cap)
         if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
-            self.make_room(len(request.input_ids) - internal_context.n, keep=internal_context)
+            self.make_room(len(request.input_ids) - internal_context.n, keep=internal_context,
+                           tenant=internal_context.tenant)
             request.keep_out_of_tree()
             request.hide_from_client()
             state.internal = True
             self._adopt(state, internal_context)
             return True
+        tenant = state.fields.tenant
         if state.parent:
-            self.make_room(wanted)
+            self.make_room(wanted, tenant=tenant)
             self._check_parent(request, state)
             return False
         context = None
@@ -119,14 +121,14 @@ class Admission:
                 return False
             context = self.store.longest_prefix_of(request.input_ids, settings)
         if context is None:
-            self.make_room(wanted)
+            self.make_room(wanted, tenant=tenant)
             return False
         if state.fields.decode is not None:
             request.abort("sglang_kvx: decode steps do not yet apply to a child of a compacted context; "
                           "send it with \"compact\": false or without custom_params.kvx.decode")
             return False
         # Room for the child's own tokens, never by evicting the context it is about to read.
-        self.make_room(wanted - context.n, keep=context)
+        self.make_room(wanted - context.n, keep=context, tenant=tenant)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(request.input_ids[context.n :])
         request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
@@ -143,14 +145,15 @@ class Admission:
         context.active_children += 1
         context.last_used = time.monotonic()
 
-    def make_room(self, tokens: int, keep: CompactedContext | None = None) -> None:
+    def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
         what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
 
         Never for a request that fits once the running requests finish (SGLang queues it; it
-        retries, so this runs again), and never the most recently used contexts within the store's
-        reserved share of the pool (``--kvx-min-store-fraction``): no request, and no client's
-        parents, can empty the store below it."""
+        retries, so this runs again), and never another tenant's contexts within its share of the
+        store's reserve (``--kvx-min-store-fraction``): a request may evict what no tenant reserves,
+        then its own tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the
+        former)."""
         room = self.pool.room()
         if room >= tokens:
             return
@@ -161,28 +164,49 @@ class Admission:
         reserved = self._reserved(keep)
         while room < tokens:
             idle = [c for c in self.store.contexts.values()
-                    if c.active_children == 0 and c is not keep and id(c) not in reserved]
+                    if c.active_children == 0 and c is not keep
+                    and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
             if not idle:
                 self.refused += 1  # what is left is reserved or in use: SGLang queues or refuses the request
                 return
-            victim = min(idle, key=lambda c: c.last_used)
+            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
             self.store.remove(victim)
             self.pool.free(victim.slots)
             self.evicted += 1
             room = self.pool.room()
             logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
 
+    def reserved_slots(self) -> int:
+        """Slots of the contexts no other tenant's request can evict now."""
+        reserved = self._reserved(None)
+        return sum(c.num_slots for c in self.store.contexts.values() if id(c) in reserved)
+
     def _reserved(self, keep: CompactedContext | None) -> set[int]:
-        """The most recently used contexts whose slots fit the store's reserved share."""
+        """Per tenant, its most recently used contexts within its share of the store's reserve: the
+        reserve split evenly over the tenants holding contexts, a share a tenant leaves unused
+        split again over the others (so one tenant's parents cannot push another's out of it)."""
+        by_tenant: dict[str | None, list[CompactedContext]] = {}
+        for context in sorted(self.store.contexts.values(), key=lambda c: c.last_used, reverse=True):
+            if context is not keep:
+                by_tenant.setdefault(context.tenant, []).append(context)
         budget = int(self.defaults.min_store_fraction * self.pool.total)
         reserved: set[int] = set()
-        for context in sorted(self.store.contexts.values(), key=lambda c: c.last_used, reverse=True):
-            if context is keep:
-                continue
-            if context.num_slots > budget:
+        while by_tenant:
+            share = budget // len(by_tenant)
+            whole = [t for t, contexts in by_tenant.items() if sum(c.num_slots for c in contexts) <= share]
+            if not whole:
                 break
-            budget -= context.num_slots
-            reserved.add(id(context))
+            for t in whole:
+                contexts = by_tenant.pop(t)
+                budget -= sum(c.num_slots for c in contexts)
+                reserved.update(id(c) for c in contexts)
+        for contexts in by_tenant.values():  # each of the rest: its most recent contexts that fit its share
+            left = budget // len(by_tenant)
+            for context in contexts:
+                if context.num_slots > left:
+                    break
+                left -= context.num_slots
+                reserved.add(id(context))
         return reserved
 
     def _check_parent(self, request: Request, state: RequestState) -> None:

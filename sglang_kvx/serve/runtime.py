@@ -188,7 +188,7 @@ class Runtime:
             state.outcome = {"compacted": True, "already_stored": True, **_summary(stored)}
             return
         if get_policy(settings.policy).second_pass:
-            if not self.kvzip.start(request, settings):
+            if not self.kvzip.start(request, settings, state.fields.tenant):
                 self.skipped_no_room += 1
                 state.outcome = {"compacted": False, "reason": "no room in the pool to hold the context for KVzip's passes"}
             else:
@@ -216,6 +216,7 @@ class Runtime:
             self.degenerate += 1
             state.outcome = {"compacted": False, "reason": "keep_fraction keeps no entry of this context"}
             return
+        context.tenant = state.fields.tenant
         self.store.add(context)
         request.keep_out_of_tree()  # SGLang frees every other slot of the full context
         state.outcome = {"compacted": True, **_summary(context)}
@@ -258,6 +259,7 @@ class Runtime:
         return {
             "compacted_contexts": [c.summary() for c in contexts],
             "store_slots": self.store.slots_held(),
+            "store_reserved_slots": self.admission.reserved_slots(),
             "compactions_skipped_no_room": self.skipped_no_room,
             "compactions_skipped_empty": self.degenerate,
             "compactions_failed": self.failures,

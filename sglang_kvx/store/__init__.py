@@ -44,6 +44,7 @@ class CompactedContext:
     timings: dict[str, float] = field(default_factory=dict)
     # Per attention layer, what attention reads beyond the backend's plain row (None: plain).
     prefix_cells: list[PrefixCells | None] = field(default_factory=list)
+    tenant: str | None = None  # the parent's custom_params.kvx.tenant (None: the shared, untagged one)
     reuse_count: int = 0
     active_children: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -76,6 +77,7 @@ class CompactedContext:
             "keep_fraction": self.settings.keep_fraction,
             "protected_prefix_len": self.settings.protected_prefix_len,
             "allocation": self.settings.allocation,
+            "tenant": self.tenant,
             "reuse_count": self.reuse_count,
             "active_children": self.active_children,
             "timings": self.timings,
