@@ -1,0 +1,145 @@
+"""Snapshot and restore of per-slot recurrent states (GDN temporal and conv states) for a set of
+pool slots: On-Demand Attention saves a row's states before the Local attempt and puts them back
+before a Full retry, so the retry starts from the same pre-step state.
+
+SGLang's MambaPool allocates every conv state as [L, S, *conv_shape] and the temporal state as
+[L, S, H, V, K] (L mamba layers, S = pool size + 1 slots): the slot dim is 1 there, and 0 in a
+layer's view ``conv[layer]`` / ``temporal[layer]``. ``slot_dim`` names it, one int for all the
+tensors or one per tensor.
+
+Shapes: states, a list of tensors with S entries along their slot dim; slots [n] (indices into
+S; distinct for a restore). ``snapshot_states`` returns, per state, a new contiguous tensor of
+the state's shape with n along the slot dim (entry r holds slot ``slots[r]``);
+``restore_states`` writes such a snapshot back in place. Copies are bit-exact (the kernels move
+raw bits, any dtype).
+
+Dispatch: the CuPy kernel where ``cupy`` imports and the state is on CUDA (CuPy is the optional
+``gpu`` extra), else the Triton kernel on CUDA (and under TRITON_INTERPRET=1 when asked for),
+else the torch reference (index_select / index_copy_), which is the source of truth. A state
+whose dims before or after the slot dim cannot be flattened to one stride each, or whose
+trailing dims are not contiguous, takes the reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+_IMPLS = ("auto", "torch", "triton", "cupy")
+# The kernels copy raw bits: a state is reinterpreted as the integer type of its element size.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
+                    slot_dim: int | Sequence[int] = 0, impl: str = "auto") -> list[torch.Tensor]:
+    """impl: "auto" (CuPy, else Triton on CUDA; torch elsewhere), "torch", "triton", "cupy"."""
+    dims = _slot_dims(states, slot_dim)
+    snapshots = []
+    for state, dim in zip(states, dims):
+        index = _check_slots(slots, state, dim)
+        shape = list(state.shape)
+        shape[dim] = index.numel()
+        snapshot = torch.empty(shape, dtype=state.dtype, device=state.device)
+        src, dst = _rows_view(state, dim), _rows_view(snapshot, dim)
+        backend = _backend(impl, state)
+        if backend is None or src is None or index.numel() == 0:
+            torch.index_select(state, dim, index, out=snapshot)
+        else:
+            backend(src, dst, index, scatter=False)
+        snapshots.append(snapshot)
+    return snapshots
+
+
+def restore_states(states: Sequence[torch.Tensor], slots: torch.Tensor, snapshot: Sequence[torch.Tensor],
+                   slot_dim: int | Sequence[int] = 0, impl: str = "auto") -> None:
+    """Write ``snapshot`` (from ``snapshot_states`` with the same slots) back into ``states`` in place."""
+    dims = _slot_dims(states, slot_dim)
+    if len(snapshot) != len(states):
+        raise ValueError(f"{len(snapshot)} snapshots for {len(states)} states")
+    for state, saved, dim in zip(states, snapshot, dims):
+        index = _check_slots(slots, state, dim)
+        want = list(state.shape)
+        want[dim] = index.numel()
+        if list(saved.shape) != want or saved.dtype != state.dtype or saved.device != state.device:
+            raise ValueError(f"a snapshot {tuple(saved.shape)} {saved.dtype} does not fit state "
+                             f"{tuple(state.shape)} {state.dtype} at slot dim {dim} with {index.numel()} slots")
+        src, dst = _rows_view(saved, dim), _rows_view(state, dim)
+        backend = _backend(impl, state)
+        if backend is None or src is None or dst is None or index.numel() == 0:
+            state.index_copy_(dim, index, saved)
+        else:
+            backend(src, dst, index, scatter=True)
+
+
+def _slot_dims(states: Sequence[torch.Tensor], slot_dim: int | Sequence[int]) -> list[int]:
+    dims = [slot_dim] * len(states) if isinstance(slot_dim, int) else list(slot_dim)
+    if len(dims) != len(states):
+        raise ValueError(f"{len(dims)} slot dims for {len(states)} states")
+    out = []
+    for state, dim in zip(states, dims):
+        if not -state.dim() <= dim < state.dim():
+            raise ValueError(f"slot dim {dim} is out of range for a state of shape {tuple(state.shape)}")
+        out.append(dim % state.dim())
+    return out
+
+
+def _check_slots(slots: torch.Tensor, state: torch.Tensor, dim: int) -> torch.Tensor:
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be one-dimensional, got shape {tuple(slots.shape)}")
+    index = slots.to(device=state.device, dtype=torch.long).contiguous()
+    # The kernels do not bound-check their loads and stores: refuse a bad slot before launching.
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= state.shape[dim]):
+        raise ValueError(f"slots must lie in [0, {state.shape[dim]})")
+    return index
+
+
+def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``t`` as [outer, S, inner] raw integers with a contiguous inner dim, or None if no such view exists."""
+    outer, inner = math.prod(t.shape[:dim]), math.prod(t.shape[dim + 1:])
+    try:
+        view = t.view(outer, t.shape[dim], inner)
+    except RuntimeError:  # the dims around the slot dim do not flatten to one stride
+        return None
+    if inner > 1 and view.stride(2) != 1:
+        return None
+    return view.view(_BITS[t.element_size()]) if t.element_size() in _BITS else None
+
+
+def _backend(impl: str, state: torch.Tensor):
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl == "torch" or (impl == "auto" and not state.is_cuda):
+        return None
+    if impl == "cupy" or (impl == "auto" and _cupy_available()):
+        if not (state.is_cuda and _cupy_available()):
+            raise RuntimeError("the CuPy state snapshot needs cupy (the optional 'gpu' extra) and CUDA tensors")
+        from sglang_kvx.ops.cupy_state_snapshot import copy_rows_cupy
+
+        return copy_rows_cupy
+    if impl == "auto" and not _triton_available():
+        return None
+    if not state.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton state snapshot needs CUDA tensors (or TRITON_INTERPRET=1 to run it on CPU)")
+    from sglang_kvx.ops.triton_state_snapshot import copy_rows_triton
+
+    return copy_rows_triton
+
+
+def _cupy_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # not installed, or installed without a usable CUDA driver
+        return False
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
