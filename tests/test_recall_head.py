@@ -1,0 +1,128 @@
+"""The ODA recall head: shapes, manifest-checked loading, the FLOPs ledger, the training pipeline,
+and the committed heads ranking held-out steps by the benefit of Full attention."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_kvx.decode.flops import attention_flops, backbone_linear_flops, oda_flops, output_flops
+from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_config
+from sglang_kvx.training import train_recall_head as trh
+
+WEIGHTS = Path("weights")
+TRAINED = ("tiny-hybrid-deep", "smollm2-135m-instruct")
+
+
+def test_shapes_and_route():
+    head = RecallHead(128)
+    assert head.width == 64 and head.ffn == 128
+    x = [torch.randn(5, 128) for _ in range(3)]
+    assert head(*x).shape == (5,)
+    assert head(*(t[0] for t in x)).shape == ()
+    assert head(*(t.double() for t in x)).dtype == torch.float32  # FP32 head whatever the backbone dtype
+    assert head.route(*x).dtype == torch.bool
+    assert head.flops() == 2 * sum(m.weight.numel() for m in head.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_config_hash_is_the_same_from_config_json_and_hf_config():
+    from transformers import AutoConfig
+
+    for name in ("tiny-hybrid-deep", "smollm2-135m-instruct", "tiny-llama"):
+        path = WEIGHTS / name
+        assert config_hash(path) == config_hash(AutoConfig.from_pretrained(path)) == config_hash(path / "config.json")
+    assert config_hash(WEIGHTS / "tiny-hybrid-deep") != config_hash(WEIGHTS / "tiny-hybrid")
+
+
+def test_loading_a_head_for_another_model_fails_naming_both(tmp_path):
+    cfg = load_model_config(WEIGHTS / "tiny-hybrid-deep")
+    head = RecallHead(cfg["hidden_size"])
+    manifest = {"model": {"name": "tiny-hybrid-deep", "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+                          "config_hash": config_hash(cfg)}, "sinks": 4, "window": 128}
+    head.save_pretrained(tmp_path, manifest)
+    loaded = RecallHead.from_pretrained(tmp_path, WEIGHTS / "tiny-hybrid-deep")
+    x = [torch.randn(3, cfg["hidden_size"]) for _ in range(3)]
+    assert torch.equal(loaded(*x), head(*x)) and loaded.window == 128 and loaded.sinks == 4
+    for other in ("tiny-llama", "tiny-hybrid", "smollm2-135m-instruct"):
+        with pytest.raises(ValueError) as err:
+            RecallHead.from_pretrained(tmp_path, WEIGHTS / other)
+        assert "tiny-hybrid-deep" in str(err.value) and other in str(err.value)
+    with pytest.raises(ValueError, match="name"):  # same architecture, other weights
+        RecallHead.from_pretrained(tmp_path, cfg, model_name="tiny-hybrid-ruler")
+
+
+def test_flops_ledger():
+    cfg = load_model_config(WEIGHTS / "smollm2-135m-instruct")
+    n, steps = 1000, 64
+    all_full = oda_flops(cfg, n, [True] * steps, sinks=4, window=128, head_flops=0)
+    B, O = backbone_linear_flops(cfg), output_flops(cfg)
+    expected_full = sum(B + attention_flops(cfg, n + t) + O for t in range(1, steps + 1))
+    assert all_full["full_flops"] == expected_full  # eq. 24
+    # eq. 25 at 100% Full: everything Full costs plus a Local attempt (B + A(l)) per step
+    assert all_full["oda_flops"] == expected_full + steps * (B + attention_flops(cfg, 132))
+    none = oda_flops(cfg, n, [False] * steps, sinks=4, window=128, head_flops=0)
+    assert none["oda_flops"] == steps * (B + attention_flops(cfg, 132) + O)
+    # SmolLM2 at 1K: attention is a small part, so local-first only saves at long contexts
+    assert oda_flops(cfg, 32_000, [False] * steps)["saved_fraction"] > oda_flops(cfg, 1000, [False] * steps)["saved_fraction"]
+    hybrid = load_model_config(WEIGHTS / "tiny-hybrid-deep")
+    assert attention_flops(hybrid, 100) == 2 * 4 * 100 * 4 * 32  # 2 of 8 layers attend
+
+
+def synthetic(n: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prev, emb, local = (torch.randn(n, hidden, generator=g) for _ in range(3))
+    gain = (local[:, 0] - prev[:, 1]) * emb[:, 2].abs()  # a benefit that depends on all three inputs
+    return {"prev": prev, "emb": emb, "local": local, "g": gain, "y": torch.sign(gain) * torch.log1p(gain.abs())}
+
+
+def test_a_short_training_run_lowers_the_loss():
+    data = synthetic(2048, 32, 0)
+    head, losses = trh.train_head(data, 32, 16, steps=150, batch=128, lr=3e-3, seed=0, progress=False)
+    assert sum(losses[-20:]) / 20 < 0.6 * sum(losses[:20]) / 20
+    held = synthetic(512, 32, 1)
+    assert trh.auc(head(held["prev"], held["emb"], held["local"]).detach(), held["g"] > 0) > 0.8
+
+
+def test_auc():
+    score = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    assert trh.auc(score, torch.tensor([False, False, True, True])) == 0.75
+    assert trh.auc(torch.zeros(4), torch.tensor([False, True, False, True])) == 0.5
+
+
+def test_paired_supervision_of_one_document():
+    from sglang_kvx.reference.hf import HFReference
+
+    ref = HFReference(WEIGHTS / "tiny-hybrid-deep")
+    ids, prompt_len, info = trh.reference_ids(ref, "niah_single_1", 512, trh.TRAIN_SEED, 0)
+    doc = trh.document_supervision(ref, ids, prompt_len, sinks=4, window=64, question_tokens=6)
+    rows = len(ids) - 1 - (prompt_len - 6)
+    assert doc["local_h"].shape == doc["full_h"].shape == doc["emb"].shape == (rows, 128)
+    assert doc["in_answer"].sum() == len(ids) - prompt_len  # one row per answer token
+    assert bool(doc["eligible"].all())
+    data = trh.assemble([doc], lam=0.01, tau_hist=0.0)
+    g = doc["lp_full"] - doc["lp_local"]
+    assert torch.allclose(data["g"], g) and torch.allclose(data["y"], torch.sign(g - 0.01) * torch.log1p((g - 0.01).abs()))
+    assert torch.equal(data["prev"][0], doc["prefill_h"])  # the first step reads the prefill's hidden
+    # later steps read the previous step's Local hidden where its gain was below tau_hist, else the trunk's
+    for i in range(1, rows):
+        assert torch.equal(data["prev"][i], doc["local_h"][i - 1] if g[i - 1] < 0 else doc["full_h"][i - 1])
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_trained_head_loads_and_ranks_held_out_steps(name, capsys):
+    folder = WEIGHTS / "oda" / name
+    head = RecallHead.from_pretrained(folder, WEIGHTS / name)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["model"]["name"] == name and head.sinks == manifest["sinks"] == 4
+    split = manifest["data"]["split"]
+    assert split["train"]["seed"] != split["held_out"]["seed"] and min(split["train"]["seed"], split["held_out"]["seed"]) >= 1000
+    held = trh.load_heldout(folder / trh.HELDOUT_FILE)
+    with torch.no_grad():
+        score = head(held["prev"], held["emb"], held["local"])
+    value = trh.auc(score, held["g"] > 0)
+    with capsys.disabled():
+        print(f"\n{name}: held-out AUC of score vs gain > 0 = {value:.3f} over {len(score)} positions")
+    assert value > 0.5
