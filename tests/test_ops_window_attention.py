@@ -3,11 +3,14 @@
 The torch reference is checked against an independent dense computation (every key of the row,
 a plain masked softmax per head) and against the prefix-cells op with the hidden interval
 [sinks, seq_len - window); the Triton kernel against the reference under TRITON_INTERPRET=1.
-The FlashInfer path needs CUDA and is not exercised here.
+FlashInfer itself needs CUDA: on CPU only the FlashInfer path's plumbing (index sets, the sinks
+merge) runs, against a stand-in module whose calls are bound to the installed FlashInfer's
+signatures.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -16,17 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 
+import sglang_kvx.ops.window_attention as window_module
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention_reference
 from sglang_kvx.ops.window_attention import window_attention, window_attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_case(seed: int, dtype: torch.dtype = torch.float32, kv_heads: int = 2, heads: int = 4) -> dict:
+def random_case(seed: int, dtype: torch.dtype = torch.float32, kv_heads: int = 2, heads: int = 4,
+                v_dim: int = 16) -> dict:
     """Seven rows over a shared pool: Local with sinks, Local without sinks, Full (window 0), a
     window longer than the row, sinks reaching into the window, a one-key row, a negative window."""
     g = torch.Generator().manual_seed(seed)
-    pool, dim, v_dim = 700, 24, 16
+    pool, dim = 700, 24
     req_to_token = torch.randperm(pool, generator=g)[: 8 * 85].reshape(8, 85).to(torch.int32)
     return dict(
         q=torch.randn(7, heads, dim, generator=g).to(dtype),
@@ -137,3 +142,65 @@ def test_bad_inputs_and_cpu_kernels_are_refused(monkeypatch) -> None:
         window_attention(**case, impl="triton")
     with pytest.raises(RuntimeError, match="FlashInfer"):
         window_attention(**case, impl="flashinfer")
+
+
+class _StandInDecodeWrapper:
+    """Plain-torch stand-in for flashinfer.BatchDecodeWithPagedKVCacheWrapper (page size 1, NHD)."""
+
+    real = None  # the installed class, when flashinfer imports: every call is bound to its signature
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._bind("__init__", args, kwargs)
+
+    def _bind(self, name: str, args: tuple, kwargs: dict) -> None:
+        if self.real is not None:
+            target = getattr(self.real, "_plan_impl" if name == "plan" else name)
+            inspect.signature(target).bind(self, *args, **kwargs)
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kwargs) -> None:
+        self._bind("plan", (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size), kwargs)
+        assert page_size == 1 and bool((last_page_len == 1).all()) and indptr.dtype == indices.dtype == torch.int32
+        self.indptr, self.indices, self.sm_scale = indptr.long(), indices.long(), kwargs["sm_scale"]
+
+    def run(self, q, paged_kv_cache, **kwargs):
+        self._bind("run", (q, paged_kv_cache), kwargs)
+        k_pages, v_pages = paged_kv_cache
+        group = q.shape[1] // k_pages.shape[2]
+        out, lse = kwargs["out"], kwargs["lse"]
+        for b in range(q.shape[0]):
+            slots = self.indices[self.indptr[b] : self.indptr[b + 1]]
+            keys = k_pages[slots, 0].float().repeat_interleave(group, 1)  # [n, Hq, D]
+            values = v_pages[slots, 0].float().repeat_interleave(group, 1)
+            logits = torch.einsum("hd,nhd->hn", q[b].float(), keys) * self.sm_scale * kwargs["k_scale"]
+            lse[b] = logits.logsumexp(-1)
+            out[b] = (torch.einsum("hn,nhe->he", logits.softmax(-1), values) * kwargs["v_scale"]).to(out.dtype)
+        return out, lse
+
+
+def _stand_in_merge_state(v_a, s_a, v_b, s_b):
+    s = torch.logaddexp(s_a, s_b)
+    v = torch.exp(s_a - s)[..., None] * v_a.float() + torch.exp(s_b - s)[..., None] * v_b.float()
+    return v.to(v_a.dtype), s
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing flashinfer's CuTe kernels
+def test_flashinfer_path_plumbing_with_a_stand_in(monkeypatch) -> None:
+    """Window and sinks as two index sets, merged for the rows with sinks: equals the reference."""
+    try:
+        import flashinfer
+
+        _StandInDecodeWrapper.real = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        inspect.signature(flashinfer.merge_state).bind(*range(4))
+    except ImportError:
+        _StandInDecodeWrapper.real = None
+    stand_in = type(sys)("flashinfer")
+    stand_in.BatchDecodeWithPagedKVCacheWrapper = _StandInDecodeWrapper
+    stand_in.merge_state = _stand_in_merge_state
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    monkeypatch.setattr(window_module, "_flashinfer_wrappers", {})
+    monkeypatch.setattr(window_module, "_FLASHINFER_WORKSPACE_BYTES", 16)
+    for kv_heads, heads in [(2, 4), (1, 8)]:
+        case = random_case(6, kv_heads=kv_heads, heads=heads, v_dim=24)  # FlashInfer needs D == Dv
+        got = window_module.window_attention_flashinfer(**case)
+        assert torch.allclose(got, window_attention_reference(**case), atol=1e-5)
+    assert len(window_module._flashinfer_wrappers) == 2  # plain and tensor-core wrappers (group 8 > 4)

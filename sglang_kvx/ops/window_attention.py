@@ -159,10 +159,10 @@ def _flashinfer_decode(wrapper, q: torch.Tensor, paged_kv: tuple[torch.Tensor, t
     wrapper.plan(indptr, indices, torch.ones(q.shape[0], dtype=torch.int32, device=q.device),
                  q.shape[1], k_pages.shape[2], k_pages.shape[3], 1,
                  q_data_type=q.dtype, kv_data_type=k_pages.dtype, sm_scale=scaling)
+    # Own output buffers: the wrapper is planned again for the sinks before these are merged.
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    wrapper.run(q, paged_kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
-    return out, lse
+    return wrapper.run(q, paged_kv, k_scale=k_scale, v_scale=v_scale, out=out, lse=lse, return_lse=True)
 
 
 def window_attention_flashinfer(
@@ -175,7 +175,9 @@ def window_attention_flashinfer(
 
     FlashInfer's own ``window_left`` is one value per plan; ODA batches mix windows (and Full
     rows), so both key ranges go in as explicit slot lists instead (page size 1, as SGLang's
-    FlashInfer backend lays out the pool). NOT TESTED here: the project's machines have no GPU.
+    FlashInfer backend lays out the pool). Host syncs (index-set sizes) make it unfit for CUDA
+    graph capture. NOT TESTED on a GPU: the project's machines have none; on CPU a stand-in
+    module with FlashInfer's signatures checks the index sets and the merge.
     """
     import flashinfer
 
