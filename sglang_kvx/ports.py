@@ -81,7 +81,9 @@ class Request(Protocol):
         """The extension's per-request state (``serve.admission.RequestState``), created on first use."""
         ...
 
-    def abort(self, message: str) -> None: ...
+    def abort(self, message: str) -> None:
+        """End it with an error: refused before it runs, or stopped after the current step."""
+        ...
 
     def keep_out_of_tree(self) -> None:
         """Its KV is not inserted in the prefix cache at release (the store or a job holds what it keeps)."""

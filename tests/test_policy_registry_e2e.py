@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ def test_a_policy_from_one_file_is_served_and_matches_the_oracle(demo_paths, ref
     tests_dir = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
     server = ServerProcess(demo_paths["tiny-llama"], "--kvx-policy", "knorm", "--kvx-policy-modules", "throwaway_policy",
-                           "--context-length", "4096", max_total_tokens=4096, env=env)
+                           "--kvx-decode-steps", "on", "--context-length", "4096", max_total_tokens=4096, env=env)
     server.start()
     try:
         ref = references["tiny-llama"]
@@ -51,6 +52,21 @@ def test_a_policy_from_one_file_is_served_and_matches_the_oracle(demo_paths, ref
         assert refused.status_code != 200 and "internal error" in refused.text, refused.text
         assert server.stats()["compactions_failed"] == 2
         assert ask(server, context, question, "_throwaway_even", 0.5)["output_ids"] == expected_ids
+        # A decode step that raises in the forward: its request ends with an error, the batch's other
+        # request (sent at the same time) is answered exactly, nothing leaks.
+        plain = ref.encode(text(40, seed=43))
+        with ThreadPoolExecutor(2) as pool:
+            failing = pool.submit(server.generate, {"input_ids": plain, "sampling_params": {
+                "temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40,
+                "custom_params": {"kvx": {"compact": False, "decode": {"step": "_throwaway_failing_step"}}}}})
+            fine = pool.submit(ask, server, context, question, "_throwaway_even", 0.5, max_new_tokens=40)
+            failed, answered = failing.result(), fine.result()
+        body = failed.json() if failed.status_code == 200 else {}
+        assert failed.status_code != 200 or body["meta_info"]["finish_reason"]["type"] == "abort", failed.text
+        assert "internal error" in failed.text
+        assert answered["output_ids"][:10] == expected_ids
+        assert server.stats()["decode_step_failures"] == 1
+        assert "planted failure" in server.stats()["last_decode_step_error"]
         settled = wait_idle(server, 4096)
         assert settled["kv_pool_free_tokens"] + settled["kv_pool_evictable_tokens"] + settled["store_slots"] == 4096
     finally:

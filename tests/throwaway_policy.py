@@ -1,7 +1,8 @@
-"""A policy registered outside the package, in one file: the server imports it with --kvx-policy-modules."""
+"""Policies and a decode step registered outside the package, in one file: the server imports it with --kvx-policy-modules."""
 
 import torch
 
+from sglang_kvx.decode import FULL, DecodeStep, register_decode_step
 from sglang_kvx.policies import KVPolicy, register_policy
 
 
@@ -37,3 +38,13 @@ class FailingCapture(KVPolicy):
 
     def score(self, signals, layer, budget=None):
         return torch.zeros(signals.num_kv_heads, signals.n)
+
+
+@register_decode_step("_throwaway_failing_step")
+class FailingStep(DecodeStep):
+    """Raises at its third decode step: contained to that one request."""
+
+    def span(self, step):
+        if step == 3:
+            raise RuntimeError("planted failure in a decode step")
+        return FULL

@@ -101,6 +101,7 @@ IMPORTED: list[str] = [
     "sglang.srt.mem_cache.common.match_kv_cache",
     "sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS",
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput",
+    "sglang.srt.managers.schedule_batch.FINISH_ABORT",
     "sglang.srt.sampling.sampling_params.SamplingParams",
     "sglang.srt.platforms.cpu.CpuDeviceMixin",
     "sglang.srt.platforms.interface.SRTPlatform",

@@ -165,7 +165,16 @@ class SGLangRequest:
         setattr(self.req, STATE_ATTR, value)
 
     def abort(self, message: str) -> None:
-        self.req.set_finish_with_abort(message)
+        if self.req.output_ids:
+            # Running: SGLang's own abort of a running request (it finishes after this step and is
+            # released as usual); set_finish_with_abort would rewrite its prompt under the tree.
+            from http import HTTPStatus
+
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            self.req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        else:
+            self.req.set_finish_with_abort(message)
 
     def keep_out_of_tree(self) -> None:
         self.req.skip_radix_cache_insert = True

@@ -40,6 +40,7 @@ class DecodeRow:
     span: Span = field(default_factory=Span)
     dropped: list[tuple[int, int]] = field(default_factory=list)  # per layer, positions gone for good
     freed: tuple[int, int] = (0, 0)  # positions whose slots went back to the pool
+    failed: bool = False  # its step raised: the request is aborted, nothing of the step runs again
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -54,6 +55,8 @@ class DecodeRunner:
         self.rows: dict[int, DecodeRow] = {}
         self.freed_slots = 0  # slots returned to the pool while their requests ran
         self.rerun_count = 0
+        self.failures = 0
+        self.last_error: str | None = None
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -68,23 +71,30 @@ class DecodeRunner:
         """Set each decode row's first span for this step; the rows that may ask for a re-run."""
         may_rerun = []
         for row in rows:
-            state = self.rows.get(row)
+            state = self._live(row)
             if state is None:
                 continue
             state.steps += 1
-            state.span = state.step.span(state.steps)
-            if state.step.may_rerun(state.steps):
-                may_rerun.append(row)
+            try:
+                state.span = state.step.span(state.steps)
+                if state.step.may_rerun(state.steps):
+                    may_rerun.append(row)
+            except Exception as exc:
+                self._fail(state, exc)
         return may_rerun
 
     def reruns(self, rows: list[int]) -> list[int]:
         """Rows whose step asks to run again with another span (set now)."""
         again = []
         for row in rows:
-            state = self.rows.get(row)
+            state = self._live(row)
             if state is None:
                 continue
-            span = state.step.rerun_span(state.steps, state.span)
+            try:
+                span = state.step.rerun_span(state.steps, state.span)
+            except Exception as exc:
+                self._fail(state, exc)
+                continue
             if span is not None and span != state.span:
                 state.span = span
                 again.append(row)
@@ -94,10 +104,16 @@ class DecodeRunner:
     def end(self, rows: list[int], seq_lens: list[int]) -> None:
         """After the step: record what each row drops; free the slots no layer reads any more."""
         for row, seq_len in zip(rows, seq_lens):
-            state = self.rows.get(row)
+            state = self._live(row)
             if state is None:
                 continue
-            dropped = state.step.dropped(seq_len, state.num_layers)
+            try:
+                dropped = state.step.dropped(seq_len, state.num_layers)
+                if dropped is not None and len(dropped) != state.num_layers:
+                    raise ValueError(f"dropped() gave {len(dropped)} intervals for {state.num_layers} attention layers")
+            except Exception as exc:
+                self._fail(state, exc)
+                continue
             if dropped is None:
                 continue
             state.dropped = [_union(old, new) for old, new in zip(state.dropped, dropped)]
@@ -114,6 +130,20 @@ class DecodeRunner:
                 self.pool.free(self.pool.row(row, end)[new_start:end])
                 self.freed_slots += end - new_start
                 state.freed = (start, end)
+
+    def _live(self, row: int) -> DecodeRow | None:
+        state = self.rows.get(row)
+        return None if state is None or state.failed else state
+
+    def _fail(self, state: DecodeRow, exc: Exception) -> None:
+        """A step's own code raised: that request ends with an error, the batch and server go on.
+        What it dropped stays hidden (its slots may be gone); it reads the rest in full until it leaves."""
+        state.failed = True
+        state.span = Span()
+        self.failures += 1
+        self.last_error = f"{state.step.name}: {type(exc).__name__}: {str(exc)[:200]}"
+        logger.exception("sglang_kvx: decode step %s failed; its request is aborted", state.step.name)
+        state.request.abort(f"sglang_kvx: decode step {state.step.name!r} failed inside the server (internal error)")
 
     def masked_rows(self, layer: int, rows: list[int], seq_lens: list[int]) -> dict[int, PrefixCells]:
         """Batch index -> the interval this layer does not read, for decode rows that hide one."""

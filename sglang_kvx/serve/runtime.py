@@ -271,6 +271,8 @@ class Runtime:
             "decode_rows": len(self.decode.rows),
             "decode_slots_freed": self.decode.freed_slots,
             "decode_reruns": self.decode.rerun_count,
+            "decode_step_failures": self.decode.failures,
+            "last_decode_step_error": self.decode.last_error,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],
         }
