@@ -99,6 +99,8 @@ def test_cpu_dispatch_is_the_reference_and_keeps_the_dtype() -> None:
     got = window_attention(**case)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, window_attention_reference(**case))
+    strided_q = case["q"].transpose(0, 1).contiguous().transpose(0, 1)  # heads-major memory
+    assert torch.equal(window_attention(**{**case, "q": strided_q}), got)
     empty = {**case, "q": case["q"][:0], **{k: case[k][:0] for k in ("rows", "seq_lens", "sinks", "window")}}
     assert window_attention(**empty).shape == (0, 4, 16)
 

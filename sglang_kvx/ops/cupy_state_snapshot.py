@@ -49,9 +49,11 @@ def copy_rows_cupy(src: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, sc
         return
     blocks = min((total + _THREADS - 1) // _THREADS, 65535 * 8)  # grid-stride loop covers the rest
     with cupy.cuda.Device(src.device.index), cupy.cuda.ExternalStream(torch.cuda.current_stream(src.device).cuda_stream):
-        # cupy.asarray shares the torch memory (CUDA array interface), view offset and strides included.
+        # Raw device pointers (data_ptr includes a view's offset): no array interop, whose stream
+        # handshake could synchronise the host.
         _kernel(_C_TYPES[src.dtype])(
             (blocks,), (_THREADS,),
-            (cupy.asarray(src), cupy.asarray(dst), cupy.asarray(slots), cupy.int64(n), cupy.int64(outer),
+            (cupy.uint64(src.data_ptr()), cupy.uint64(dst.data_ptr()), cupy.uint64(slots.data_ptr()),
+             cupy.int64(n), cupy.int64(outer),
              cupy.int64(inner), cupy.int64(src.stride(0)), cupy.int64(src.stride(1)),
              cupy.int64(dst.stride(0)), cupy.int64(dst.stride(1)), cupy.int32(int(scatter))))

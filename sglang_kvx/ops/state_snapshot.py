@@ -37,9 +37,9 @@ def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
                     slot_dim: int | Sequence[int] = 0, impl: str = "auto") -> list[torch.Tensor]:
     """impl: "auto" (CuPy, else Triton on CUDA; torch elsewhere), "torch", "triton", "cupy"."""
     dims = _slot_dims(states, slot_dim)
+    indices = _check_slots(slots, states, dims)
     snapshots = []
-    for state, dim in zip(states, dims):
-        index = _check_slots(slots, state, dim)
+    for state, dim, index in zip(states, dims, indices):
         shape = list(state.shape)
         shape[dim] = index.numel()
         snapshot = torch.empty(shape, dtype=state.dtype, device=state.device)
@@ -59,8 +59,8 @@ def restore_states(states: Sequence[torch.Tensor], slots: torch.Tensor, snapshot
     dims = _slot_dims(states, slot_dim)
     if len(snapshot) != len(states):
         raise ValueError(f"{len(snapshot)} snapshots for {len(states)} states")
-    for state, saved, dim in zip(states, snapshot, dims):
-        index = _check_slots(slots, state, dim)
+    indices = _check_slots(slots, states, dims)
+    for state, saved, dim, index in zip(states, snapshot, dims, indices):
         want = list(state.shape)
         want[dim] = index.numel()
         if list(saved.shape) != want or saved.dtype != state.dtype or saved.device != state.device:
@@ -86,14 +86,21 @@ def _slot_dims(states: Sequence[torch.Tensor], slot_dim: int | Sequence[int]) ->
     return out
 
 
-def _check_slots(slots: torch.Tensor, state: torch.Tensor, dim: int) -> torch.Tensor:
+def _check_slots(slots: torch.Tensor, states: Sequence[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
+    """The slots as int64 on each state's device, once bound-checked against every state."""
     if slots.dim() != 1:
         raise ValueError(f"slots must be one-dimensional, got shape {tuple(slots.shape)}")
-    index = slots.to(device=state.device, dtype=torch.long).contiguous()
-    # The kernels do not bound-check their loads and stores: refuse a bad slot before launching.
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= state.shape[dim]):
-        raise ValueError(f"slots must lie in [0, {state.shape[dim]})")
-    return index
+    index = slots.to(torch.long).contiguous()
+    # The kernels do not bound-check their loads and stores: refuse a bad slot before launching
+    # (one host sync per call, not one per state).
+    size = min((state.shape[dim] for state, dim in zip(states, dims)), default=0)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
+        raise ValueError(f"slots must lie in [0, {size})")
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for state in states:  # one copy per device, not per state
+        if state.device not in on_device:
+            on_device[state.device] = index.to(state.device)
+    return [on_device[state.device] for state in states]
 
 
 def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor | None:

@@ -21,9 +21,11 @@ def _copy_rows_kernel(src_ptr, dst_ptr, slots_ptr, n, inner, src_so, src_sr, dst
     r = pid % n
     slot = tl.load(slots_ptr + r)
     if SCATTER:
-        src_row, dst_row = r, slot
+        src_row = r
+        dst_row = slot
     else:
-        src_row, dst_row = slot, r
+        src_row = slot
+        dst_row = r
     i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < inner
     x = tl.load(src_ptr + o * src_so + src_row * src_sr + i, mask=ok)

@@ -58,7 +58,7 @@ def window_attention_reference(
     keys = k_cache[slots].float() * k_scale  # [B, N, Hkv, D]
     values = v_cache[slots].float() * v_scale  # [B, N, Hkv, Dv]
     kv_heads = keys.shape[2]
-    query = q.float().view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    query = q.float().reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
     logits = torch.einsum("bhgd,bnhd->bhgn", query, keys) * scaling
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgn,bnhe->bhge", logits.softmax(-1), values)
