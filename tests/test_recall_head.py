@@ -52,6 +52,7 @@ def test_loading_a_head_for_another_model_fails_naming_both(tmp_path):
         assert "tiny-hybrid-deep" in str(err.value) and other in str(err.value)
     with pytest.raises(ValueError, match="name"):  # same architecture, other weights
         RecallHead.from_pretrained(tmp_path, cfg, model_name="tiny-hybrid-ruler")
+    RecallHead.from_pretrained(tmp_path, cfg, model_name="renamed-copy", check_name=False)
 
 
 def test_flops_ledger():
@@ -69,6 +70,20 @@ def test_flops_ledger():
     assert oda_flops(cfg, 32_000, [False] * steps)["saved_fraction"] > oda_flops(cfg, 1000, [False] * steps)["saved_fraction"]
     hybrid = load_model_config(WEIGHTS / "tiny-hybrid-deep")
     assert attention_flops(hybrid, 100) == 2 * 4 * 100 * 4 * 32  # 2 of 8 layers attend
+
+
+@pytest.mark.parametrize("name", ("tiny-llama", "tiny-hybrid-deep"))
+def test_backbone_flops_count_the_real_linear_layers(name):
+    from sglang_kvx.reference.hf import HFReference
+
+    model = HFReference(WEIGHTS / name).model
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    cfg = load_model_config(WEIGHTS / name)
+    gdn = [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+    # GDN layers add their short conv and the recurrent update (4 dk*dv MACs per value head)
+    extra = sum(2 * (g.conv1d.weight.numel() + 4 * g.num_v_heads * g.head_k_dim * g.head_v_dim) for g in gdn)
+    assert backbone_linear_flops(cfg) == 2 * linear + extra
+    assert output_flops(cfg) == 2 * model.lm_head.weight.numel()
 
 
 def synthetic(n: int, hidden: int, seed: int) -> dict[str, torch.Tensor]:

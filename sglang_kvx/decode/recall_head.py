@@ -184,13 +184,15 @@ class RecallHead(nn.Module):
         self.manifest = full
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, model_config_or_path: Any, model_name: str | None = None) -> "RecallHead":
+    def from_pretrained(cls, path: str | Path, model_config_or_path: Any, model_name: str | None = None,
+                        check_name: bool = True) -> "RecallHead":
         """Load ``path/head.safetensors`` for the model described by ``model_config_or_path`` (a
         config dict, an HF config object, a model directory or its config.json).
 
         Raises ValueError naming both models when the head was trained for another model: a
         different hidden size, vocabulary or architecture hash, or (when ``model_name`` is given, or
-        ``model_config_or_path`` is a model directory) a different model name."""
+        ``model_config_or_path`` is a model directory, whose folder name is then the model's name) a
+        different model name; ``check_name=False`` skips only the name (a renamed copy of the model)."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -208,7 +210,7 @@ class RecallHead(nn.Module):
             problems.append("vocabulary")
         if trained.get("config_hash") != config_hash(cfg):
             problems.append("architecture (config hash)")
-        if model_name is not None and trained.get("name") != model_name:
+        if check_name and model_name is not None and trained.get("name") != model_name:
             problems.append("name")
         if problems:
             raise ValueError(f"recall head at {path} was trained for model {head_for}, not for {serving}: "
