@@ -26,6 +26,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
     "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
     "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules)."),
+    "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
+    "kvx_oda_head": ("", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in <model>/oda or weights/oda/<model folder name>)."),
     "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
 
@@ -43,6 +45,8 @@ class KvxConfig:
     model_path: str = ""
     policy_modules: str = ""  # comma-separated modules registering further policies (imported in every process)
     decode_steps: bool = False  # requests may ask for decode-time steps
+    decode: str = ""  # the server's default decode step, as canonical JSON ("" = none)
+    oda_head: str = ""  # the recall head folder for On-Demand Attention ("" = none found)
     min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
 
     @property
@@ -155,6 +159,43 @@ def parse_on_off(raw: str | bool, flag: str) -> bool:
     return raw == "on"
 
 
+def parse_decode_flag(raw: str) -> str:
+    """``--kvx-decode``: a step name or a JSON object of a step and its options -> canonical JSON."""
+    from sglang_kvx.decode import parse_decode_settings
+
+    raw = (raw or "").strip()
+    if not raw:
+        return ""
+    if raw.startswith("{"):
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise KvxConfigError(f"--kvx-decode is not valid JSON ({exc.msg})") from None
+    else:
+        value = {"step": raw}
+    try:
+        settings = parse_decode_settings(value, field="--kvx-decode")
+    except ValueError as exc:
+        raise KvxConfigError(str(exc)) from None
+    return json.dumps({"step": settings.step, **dict(settings.options)}, sort_keys=True)
+
+
+def find_recall_head(model_path: str, explicit: str = "") -> str:
+    """The recall head folder to serve: ``explicit``, else ``<model>/oda``, else
+    ``weights/oda/<model folder name>`` beside this package ("" when none exists)."""
+    if explicit:
+        if not (Path(explicit) / "manifest.json").exists():
+            raise KvxConfigError(f"--kvx-oda-head {explicit}: no manifest.json there")
+        return explicit
+    if not model_path:
+        return ""
+    model = Path(model_path).expanduser()
+    for candidate in (model / "oda", Path(__file__).resolve().parent.parent / "weights" / "oda" / model.resolve().name):
+        if (candidate / "manifest.json").exists():
+            return str(candidate)
+    return ""
+
+
 def import_policy_modules(modules: str) -> None:
     """Import each comma-separated module: importing one registers the policies it defines."""
     import importlib
@@ -176,6 +217,8 @@ def build_config(
     policy_modules: str = "",
     decode_steps: str | bool = "off",
     min_store_fraction: str | float = 0.25,
+    decode: str = "",
+    oda_head: str = "",
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -194,8 +237,10 @@ def build_config(
         estimator=str(estimator or ""),
         model_path=str(model_path or ""),
         policy_modules=str(policy_modules or ""),
-        decode_steps=parse_on_off(decode_steps, "--kvx-decode-steps"),
+        decode_steps=parse_on_off(decode_steps, "--kvx-decode-steps") or bool(parse_decode_flag(decode)),
         min_store_fraction=parse_store_fraction(min_store_fraction),
+        decode=parse_decode_flag(decode),
+        oda_head=find_recall_head(str(model_path or ""), str(oda_head or "")),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
@@ -208,7 +253,23 @@ def build_config(
             raise KvxConfigError(str(exc)) from None
     if policy_cls.compacts:
         make_policy(policy, config)  # a policy that cannot load (no estimator) fails now, not at the first request
+    if config.decode and json.loads(config.decode)["step"] == "oda":
+        load_recall_head(config)  # no head, or one trained for another model: fail now
     return config
+
+
+def load_recall_head(config: KvxConfig):
+    """The recall head On-Demand Attention routes with, checked against the served model."""
+    from sglang_kvx.decode.recall_head import RecallHead
+
+    if not config.oda_head:
+        raise KvxConfigError(f"On-Demand Attention needs a recall head trained for {config.model_path or 'this model'}: "
+                             f"none in <model>/oda or weights/oda/; pass --kvx-oda-head or train one "
+                             f"(python -m sglang_kvx.training.train_recall_head)")
+    try:
+        return RecallHead.from_pretrained(config.oda_head, config.model_path) if config.model_path else None
+    except (ValueError, OSError, KeyError) as exc:
+        raise KvxConfigError(f"--kvx-oda-head: {exc}") from None
 
 
 def make_policy(name: str, config: KvxConfig) -> KVPolicy:

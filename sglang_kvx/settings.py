@@ -169,6 +169,16 @@ class ServerDefaults:
     per_layer_lengths: bool = True  # False on MLA backends: flat budgets only
     min_store_fraction: float = 0.25  # share of the pool no request can evict compacted contexts from
     growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
+    decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
+
+
+def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
+    """The decode step a request runs: its own (over the server's options when it names the same
+    step), else the server's ``--kvx-decode``."""
+    own, default = fields.decode, server.decode
+    if own is None or default is None or own.step != default.step:
+        return own or default
+    return DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
 
 
 def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:

@@ -102,6 +102,7 @@ IMPORTED: list[str] = [
     "sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS",
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput",
     "sglang.srt.managers.schedule_batch.FINISH_ABORT",
+    "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
     "sglang.srt.sampling.sampling_params.SamplingParams",
     "sglang.srt.platforms.cpu.CpuDeviceMixin",
     "sglang.srt.platforms.interface.SRTPlatform",
@@ -123,7 +124,8 @@ ATTRIBUTES: dict[str, list[str]] = {
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "forward_mode", "req_pool_indices", "positions", "extend_seq_lens", "extend_start_loc",
-        "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "seq_lens", "seq_lens_cpu",
+        "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "capture_hidden_mode",
+        "input_ids",
     ],
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
     "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy"],

@@ -80,6 +80,8 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             policy_modules=getattr(args, "kvx_policy_modules", ""),
             decode_steps=getattr(args, "kvx_decode_steps", "off"),
             min_store_fraction=getattr(args, "kvx_min_store_fraction", "0.25"),
+            decode=getattr(args, "kvx_decode", ""),
+            oda_head=getattr(args, "kvx_oda_head", ""),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.

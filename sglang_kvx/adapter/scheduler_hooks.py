@@ -8,6 +8,7 @@ rides on the scheduler's request-to-token pool and on every forward batch built 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -71,6 +72,7 @@ def build_runtime(scheduler, config):
     from sglang_kvx.adapter.model import attention_and_gdn_layer_ids, rope_inv_freq
     from sglang_kvx.config import traits_of_config
     from sglang_kvx.serve.runtime import Runtime
+    from sglang_kvx.decode import parse_decode_settings
     from sglang_kvx.settings import ServerDefaults
 
     runner = scheduler.tp_worker.model_runner
@@ -82,6 +84,7 @@ def build_runtime(scheduler, config):
         model_signals=traits_of_config(runner.model_config.hf_config.to_dict()).signals,
         tp_size=int(scheduler.tp_size), per_layer_lengths=has_per_layer_lengths(runner.attn_backend),
         min_store_fraction=config.min_store_fraction, growth_estimate_cap=growth_estimate_cap(),
+        decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
     )
 
     def submit(rid: str, input_ids: list[int]) -> None:
@@ -209,24 +212,66 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 
 
 def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):
-    """A decode forward with decode-step rows: spans first, the forward, a re-run where a step asks
-    (every row's recurrent state restored first, so rows not re-run compute the same again), drops."""
+    """A forward with decode-step rows. Decode: spans first, the forward, a re-run where a step asks
+    (every row's recurrent state restored first, so rows not re-run compute the same again), drops.
+    Rows routed by the recall head (On-Demand Attention) are scored between the two runs; a prefill
+    of such rows seeds their first prev_h."""
     link = link_of(model_runner.req_to_token_pool)
-    if link is None or not link.runtime.decode or not forward_batch.forward_mode.is_decode():
+    if link is None or not link.runtime.decode:
         return original(model_runner, forward_batch, *args, **kwargs)
     decode, pool = link.runtime.decode, link.runtime.pool
+    mode = forward_batch.forward_mode
+    if mode.is_extend() and not mode.is_decode():
+        rows = link.batch(forward_batch).rows
+        if not decode.routed(rows):
+            return original(model_runner, forward_batch, *args, **kwargs)
+        output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
+        decode.prefill_hidden(rows, hidden)
+        return output
+    if not mode.is_decode():
+        return original(model_runner, forward_batch, *args, **kwargs)
     batch = link.batch(forward_batch)
     rows = batch.rows
     may_rerun = decode.begin(rows)
     snapshot = pool.snapshot_rows(rows) if may_rerun and pool.has_state else None
-    output = original(model_runner, forward_batch, *args, **kwargs)
-    if decode.reruns(may_rerun):
+    routed = bool(decode.routed(rows))
+    if routed:
+        output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
+        embeddings = model_runner.model.get_input_embeddings()(forward_batch.input_ids)
+        again = decode.reruns(may_rerun, rows, hidden, embeddings)
+    else:
+        output = original(model_runner, forward_batch, *args, **kwargs)
+        again = decode.reruns(may_rerun)
+    if again:
         if snapshot is not None:
             pool.restore_rows(rows, snapshot)
-        output = original(model_runner, forward_batch, *args, **kwargs)
+        if routed:
+            output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
+        else:
+            output = original(model_runner, forward_batch, *args, **kwargs)
+    if routed:
+        decode.commit_hidden(rows, hidden)
     decode.end(rows, batch.seq_lens)
     return output
 
+
+def _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs):
+    """The forward, and each row's final hidden state (the LM head's input at its last position),
+    asked of SGLang's logits processor; handed to the client only if the batch asked for it."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    asked = forward_batch.capture_hidden_mode
+    if asked is None or asked == CaptureHiddenMode.NULL:
+        forward_batch.capture_hidden_mode = CaptureHiddenMode.LAST
+    output = original(model_runner, forward_batch, *args, **kwargs)
+    logits = output.logits_output
+    hidden = logits.hidden_states
+    if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL and forward_batch.forward_mode.is_extend():
+        hidden = hidden[torch.cumsum(forward_batch.extend_seq_lens.to(torch.long), 0) - 1]
+    if asked is None or asked == CaptureHiddenMode.NULL:
+        forward_batch.capture_hidden_mode = asked
+        logits.hidden_states = None
+    return output, hidden
 
 
 def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_args, **kwargs):

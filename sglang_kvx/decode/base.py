@@ -5,8 +5,11 @@ a gate shuts; On-Demand Attention picks each step's span and may re-run it; Stre
 sinks and a window). A step is one short class registered by name, like a policy:
 
   span(step)                the attention span step ``step`` runs with first (full, or sinks + window)
-  rerun_span(step, first)   after that run: the span to re-run the step with (None: keep the result);
-                            the runtime restores the row's recurrent (GDN / conv) state first
+  rerun_span(step, first, score)
+                            after that run: the span to re-run the step with (None: keep the result);
+                            the runtime restores the row's recurrent (GDN / conv) state first.
+                            ``score`` is the server's recall head's score of the first run for a
+                            step that ``reads_hidden`` (On-Demand Attention), else None
   may_rerun(step)           whether rerun_span can ask (the runtime snapshots state only then)
   dropped(seq_len)          after the step, per attention layer, the interval [start, end) of
                             positions that layer never reads again: masked at once, and their
@@ -20,10 +23,12 @@ with full attention and produced the first). Positions count from the prompt's f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 MAX_OPTION = 1 << 24
+MAX_REAL_OPTION = 1e6
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ FULL = Span()
 class DecodeStep:
     name: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()  # the request fields it takes, each a whole number
+    real_options: ClassVar[tuple[str, ...]] = ()  # ... and those that are real numbers
+    reads_hidden: ClassVar[bool] = False  # rerun_span gets the recall head's score of each first run
 
     def span(self, step: int) -> Span:
         return FULL
@@ -59,7 +66,7 @@ class DecodeStep:
     def may_rerun(self, step: int) -> bool:
         return False
 
-    def rerun_span(self, step: int, first: Span) -> Span | None:
+    def rerun_span(self, step: int, first: Span, score: float | None = None) -> Span | None:
         return None
 
     def live_tokens(self, prompt_len: int) -> int | None:
@@ -96,7 +103,7 @@ class DecodeSettings:
     """A request's ``custom_params.kvx.decode``: the step's name and its whole-number options."""
 
     step: str
-    options: tuple[tuple[str, int], ...] = ()
+    options: tuple[tuple[str, int | float], ...] = ()
 
     def build(self) -> DecodeStep:
         return DECODE_STEPS[self.step](**dict(self.options))
@@ -116,11 +123,11 @@ def parse_decode_settings(raw: Any, field: str = "custom_params.kvx.decode") -> 
     if not isinstance(step, str) or step not in DECODE_STEPS:
         raise DecodeSettingsError(f"{field}.step must be a string naming one of the valid choices: {', '.join(decode_step_names())}")
     cls = DECODE_STEPS[step]
-    unknown = [key for key in raw if key != "step" and key not in cls.options]
+    unknown = [key for key in raw if key != "step" and key not in cls.options + cls.real_options]
     if unknown:
         shown = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= 64 else "a long key"
         raise DecodeSettingsError(f"{field} has an unknown field {shown!r} for step {step!r}; valid fields: "
-                            f"{', '.join(('step',) + cls.options)}")
+                            f"{', '.join(('step',) + cls.options + cls.real_options)}")
     options = []
     for key in cls.options:
         if key in raw:
@@ -128,6 +135,13 @@ def parse_decode_settings(raw: Any, field: str = "custom_params.kvx.decode") -> 
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_OPTION:
                 raise DecodeSettingsError(f"{field}.{key} must be a whole number in [0, {MAX_OPTION}]")
             options.append((key, value))
+    for key in cls.real_options:
+        if key in raw:
+            value = raw[key]
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or abs(value) > MAX_REAL_OPTION):
+                raise DecodeSettingsError(f"{field}.{key} must be a finite number in [-{MAX_REAL_OPTION:g}, {MAX_REAL_OPTION:g}]")
+            options.append((key, float(value)))
     settings = DecodeSettings(step, tuple(options))
     try:
         settings.build()

@@ -28,5 +28,5 @@ class SpanSchedule(DecodeStep):
     def may_rerun(self, step: int) -> bool:
         return step % self.full_every == 0
 
-    def rerun_span(self, step: int, first: Span) -> Span | None:
+    def rerun_span(self, step: int, first: Span, score: float | None = None) -> Span | None:
         return FULL if self.may_rerun(step) else None

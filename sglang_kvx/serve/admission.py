@@ -17,9 +17,10 @@ from typing import Callable
 
 import torch
 
+from sglang_kvx.decode import DecodeSettings
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
-from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_settings
+from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RequestState:
     checked: bool = False  # a parent's settings were validated against its context
     outcome: dict | None = None  # what the extension did with it, for the response's meta_info["kvx"]
     reported: bool = False  # the outcome went out with a response
+    decode: DecodeSettings | None = None  # the decode step it runs (its own or --kvx-decode's)
 
 
 class Admission:
@@ -73,7 +75,8 @@ class Admission:
                 parent = False
             # Without a policy (a decode-steps-only server) a request is a parent only by naming one.
             parent = parent and (fields.policy is not None or get_policy(self.defaults.policy).compacts)
-            state = request.state = RequestState(fields=fields, parent=parent)
+            decode = None if parent or request.max_new_tokens == 0 else resolve_decode(fields, self.defaults)
+            state = request.state = RequestState(fields=fields, parent=parent, decode=decode)
         return state
 
     def settings_of(self, request: Request, state: RequestState) -> CompactionSettings | None:
@@ -127,6 +130,7 @@ class Admission:
             request.abort("sglang_kvx: decode steps do not yet apply to a child of a compacted context; "
                           "send it with \"compact\": false or without custom_params.kvx.decode")
             return False
+        state.decode = None  # the server's --kvx-decode does not apply to children yet: full attention
         # Room for the child's own tokens, never by evicting the context it is about to read.
         self.make_room(wanted - context.n, keep=context, tenant=tenant)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).

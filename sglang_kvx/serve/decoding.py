@@ -5,12 +5,18 @@ Per decode forward the adapter calls: ``begin`` (each row's span for this step),
 recurrent state and runs the forward again), then ``end`` (what each row drops for good; slots
 no layer keeps any more go back to the pool). Attention reads ``hidden`` per row and layer: one
 interval [start, end) of positions a row does not read in that layer this step.
+
+Rows whose step ``reads_hidden`` (On-Demand Attention) are scored by the server's recall head
+between the first run and ``reruns``: the adapter hands over each row's final hidden state (the LM
+head's input) and its token's embedding; the committed run's final hidden state is kept per row
+(``commit_hidden``) as the next step's ``prev_h``; the prefill's seeds the first (``prefill_hidden``).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -41,6 +47,8 @@ class DecodeRow:
     dropped: list[tuple[int, int]] = field(default_factory=list)  # per layer, positions gone for good
     freed: tuple[int, int] = (0, 0)  # positions whose slots went back to the pool
     failed: bool = False  # its step raised: the request is aborted, nothing of the step runs again
+    prev_hidden: torch.Tensor | None = None  # the last committed final hidden state (steps reading hidden)
+    full_steps: int = 0  # steps re-run with full attention
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -49,12 +57,18 @@ class DecodeRow:
         return _union(self.dropped[layer], self.span.hidden(seq_len))
 
 
+RecallScorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (prev_h, emb, local_h) -> [n]
+
+
 class DecodeRunner:
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None) -> None:
         self.pool = pool
+        self.scorer = scorer  # the recall head for steps that read hidden states (None: none loaded)
         self.rows: dict[int, DecodeRow] = {}
         self.freed_slots = 0  # slots returned to the pool while their requests ran
         self.rerun_count = 0
+        self.routed_steps = 0  # steps of rows whose step reads hidden states, finished requests included
+        self.full_steps = 0
         self.failures = 0
         self.last_error: str | None = None
 
@@ -83,23 +97,65 @@ class DecodeRunner:
                 self._fail(state, exc)
         return may_rerun
 
-    def reruns(self, rows: list[int]) -> list[int]:
-        """Rows whose step asks to run again with another span (set now)."""
+    def routed(self, rows: list[int]) -> list[int]:
+        """Indices (in ``rows``) of the rows whose step reads hidden states."""
+        return [i for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.step.reads_hidden]
+
+    def prefill_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
+        """A prefill (or a chunk of it) ran: each routed row's last final hidden state seeds prev_h."""
+        for i in self.routed(rows):
+            self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
+
+    def _scores(self, batch_rows: list[int], rows: list[int], local_hidden: torch.Tensor | None,
+                embeddings: torch.Tensor | None) -> dict[int, float]:
+        """The recall head's score of each routed row's first run (one batched call)."""
+        routed = [row for row in rows if (state := self._live(row)) is not None and state.step.reads_hidden
+                  and state.prev_hidden is not None]
+        if not routed or self.scorer is None or local_hidden is None or embeddings is None:
+            return {}
+        index = torch.tensor([batch_rows.index(row) for row in routed], device=local_hidden.device)
+        prev = torch.stack([self.rows[row].prev_hidden for row in routed]).to(local_hidden.device)
+        scores = self.scorer(prev, embeddings[index], local_hidden[index]).float().cpu().tolist()
+        return dict(zip(routed, scores))
+
+    def reruns(self, rows: list[int], batch_rows: list[int] | None = None, local_hidden: torch.Tensor | None = None,
+               embeddings: torch.Tensor | None = None) -> list[int]:
+        """Rows whose step asks to run again with another span (set now). ``local_hidden`` and
+        ``embeddings`` ([batch, hidden], in ``batch_rows`` order) feed the recall head."""
+        scores = self._scores(batch_rows or rows, rows, local_hidden, embeddings)
         again = []
         for row in rows:
             state = self._live(row)
             if state is None:
                 continue
             try:
-                span = state.step.rerun_span(state.steps, state.span)
+                span = state.step.rerun_span(state.steps, state.span, scores.get(row))
             except Exception as exc:
                 self._fail(state, exc)
                 continue
+            if state.step.reads_hidden:
+                self.routed_steps += 1
+                state.full_steps += span is not None and span.full
+                self.full_steps += span is not None and span.full
             if span is not None and span != state.span:
                 state.span = span
                 again.append(row)
         self.rerun_count += len(again)
         return again
+
+    def commit_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
+        """The step is done: each routed row's committed final hidden state is its next prev_h."""
+        for i in self.routed(rows):
+            self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
+
+    def summary(self, row: int) -> dict | None:
+        """What a routed row's step did (for its response and /kvx/stats); None for other rows."""
+        state = self.rows.get(row)
+        if state is None or not state.step.reads_hidden:
+            return None
+        routed = state.steps
+        return {"decode": state.step.name, "routed_steps": routed, "full_steps": state.full_steps,
+                "full_rate": round(state.full_steps / routed, 6) if routed else 0.0}
 
     def end(self, rows: list[int], seq_lens: list[int]) -> None:
         """After the step: record what each row drops; free the slots no layer reads any more."""

@@ -19,7 +19,8 @@ import torch
 
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import PASS_CAPTURE, KVzipSecondPass
-from sglang_kvx.config import KvxConfig, make_policy
+from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
+from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request
@@ -58,7 +59,11 @@ class Runtime:
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths)
-        self.decode = DecodeRunner(pool)
+        # On-Demand Attention's recall head, when one is trained for this model (else oda is refused).
+        self.recall_head = load_recall_head(config) if config.decode_steps and config.oda_head else None
+        if self.recall_head is not None:
+            self.recall_head.to(pool.device)
+        self.decode = DecodeRunner(pool, self.recall_head)
         self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
@@ -97,6 +102,12 @@ class Runtime:
         request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)")
 
     def _plan_round(self, request: Request) -> str | None:
+        state = self.admission.state_of(request) if request.state is None and not request.finished else request.state
+        if (state is not None and state.decode is not None and not request.holds_kv and self.recall_head is None
+                and state.decode.build().reads_hidden):
+            request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
+                          f"the server has none (--kvx-oda-head)")
+            return None
         if self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid)):
             return CHILD
         state = request.state
@@ -109,9 +120,9 @@ class Runtime:
         """For a request whose decode step bounds its live KV (StreamingLLM), the generation length
         it may have in place of SGLang's pool-sized clip; None: SGLang's clip stands."""
         state = self.admission.state_of(request)
-        if state is None or state.fields.decode is None or state.parent:
+        if state is None or state.decode is None or state.parent:
             return None
-        live = state.fields.decode.build().live_tokens(len(request.input_ids))
+        live = state.decode.build().live_tokens(len(request.input_ids))
         if live is None or live + 2 > pool_tokens:
             return None
         return max(0, min(requested, max_request_len - len(request.input_ids) - 1))
@@ -134,8 +145,8 @@ class Runtime:
         context = self.admission.place(request)
         state = request.state
         if state is not None and not request.finished and not request.aborted:
-            if context is None and state.fields.decode is not None and not state.parent:
-                self.decode.admit(request.row, state.fields.decode, request)
+            if context is None and state.decode is not None and not state.parent:
+                self.decode.admit(request.row, state.decode, request)
             if context is not None and state.internal:
                 self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
             elif context is None and state.parent and state.settings is not None:
@@ -150,7 +161,10 @@ class Runtime:
         state = request.state
         if state is None:
             return
-        if state.fields.decode is not None and request.holds_kv and request.row in self.decode.rows:
+        if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
+            summary = self.decode.summary(request.row)
+            if summary is not None:
+                state.outcome = {**summary, **self._flops(request, self.decode.rows[request.row].step)}
             # Slots a decode step freed already: SGLang must not free them again.
             owned_len = self.decode.release(request.row, request.owned_len)
             if owned_len is not None:
@@ -167,6 +181,13 @@ class Runtime:
             self.recorder.take(request.row)
             return
         self._contained(lambda: self._compact_parent(request, state), request)
+
+    def _flops(self, request: Request, step) -> dict:
+        """A routed request's FLOPs ledger (seed 003, Eqs. 24-25), counted from the model's shapes
+        and the schedule it ran."""
+        ledger = oda_flops(self.config.model_path, len(request.input_ids), step.schedule, sinks=step.sinks,
+                           window=step.window, head_flops=self.recall_head.flops() if self.recall_head else 0)
+        return {"flops": {key: ledger[key] for key in ("full_flops", "oda_flops", "saved_fraction")}}
 
     def _contained(self, work: Callable[[], None], request: Request) -> None:
         try:
@@ -271,6 +292,10 @@ class Runtime:
             "decode_rows": len(self.decode.rows),
             "decode_slots_freed": self.decode.freed_slots,
             "decode_reruns": self.decode.rerun_count,
+            "oda_routed_steps": self.decode.routed_steps,
+            "oda_full_steps": self.decode.full_steps,
+            "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
+            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None],
             "decode_step_failures": self.decode.failures,
             "last_decode_step_error": self.decode.last_error,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
