@@ -57,7 +57,9 @@ class KVPool(Protocol):
         """The recurrent states of request rows (a decode step about to be re-run)."""
         ...
 
-    def restore_rows(self, rows: list[int], snapshot: Any) -> None: ...
+    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None) -> None:
+        """Put back a snapshot of ``rows``: only the rows at positions ``which`` (all when None)."""
+        ...
 
 
 class Request(Protocol):

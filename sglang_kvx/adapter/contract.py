@@ -128,7 +128,7 @@ ATTRIBUTES: dict[str, list[str]] = {
         "input_ids",
     ],
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
-    "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy"],
+    "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy", "mamba_cache", "_slot_siblings"],
 }
 
 

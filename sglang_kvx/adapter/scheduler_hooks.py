@@ -16,7 +16,7 @@ import torch
 
 from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
-from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest
+from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, decode_sub_batch
 
 logger = logging.getLogger(__name__)
 
@@ -240,19 +240,44 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
         embeddings = model_runner.model.get_input_embeddings()(forward_batch.input_ids)
         again = decode.reruns(may_rerun, rows, hidden, embeddings)
     else:
-        output = original(model_runner, forward_batch, *args, **kwargs)
+        output, hidden = original(model_runner, forward_batch, *args, **kwargs), None
         again = decode.reruns(may_rerun)
     if again:
-        if snapshot is not None:
-            pool.restore_rows(rows, snapshot)
-        if routed:
-            output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
-        else:
-            output = original(model_runner, forward_batch, *args, **kwargs)
+        output, hidden = _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, hidden,
+                                *args, **kwargs)
     if routed:
         decode.commit_hidden(rows, hidden)
     decode.end(rows, batch.seq_lens)
     return output
+
+
+def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, hidden, *args, **kwargs):
+    """Run the step again for the rows in ``again`` (their spans set anew), from their pre-step
+    recurrent states; only those rows when the batch has others (a sub-batch), their results
+    written over the first run's."""
+    runtime = runtime_of(model_runner.req_to_token_pool)
+    pool = runtime.pool
+    which = [i for i, row in enumerate(rows) if row in set(again)]
+    whole = len(which) == len(rows) or (snapshot is not None and not pool.restores_some_rows)
+    runtime.decode.count_rerun(partial=not whole)
+    if snapshot is not None:
+        pool.restore_rows(rows, snapshot, None if whole else which)
+    capture = hidden is not None
+    if whole:
+        if capture:
+            return _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
+        return original(model_runner, forward_batch, *args, **kwargs), None
+    sub = decode_sub_batch(forward_batch, which)
+    if capture:
+        sub_output, sub_hidden = _forward_with_hidden(original, model_runner, sub, *args, **kwargs)
+    else:
+        sub_output, sub_hidden = original(model_runner, sub, *args, **kwargs), None
+    index = torch.tensor(which, dtype=torch.long, device=output.logits_output.next_token_logits.device)
+    output.logits_output.next_token_logits[index] = sub_output.logits_output.next_token_logits
+    if capture:
+        hidden = hidden.clone()
+        hidden[index.to(hidden.device)] = sub_hidden
+    return output, hidden
 
 
 def _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs):

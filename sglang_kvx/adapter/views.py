@@ -77,12 +77,39 @@ class SGLangKVPool:
         translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
         return translate(index.to(torch.long)) if translate is not None else index.to(torch.long)
 
-    def snapshot_rows(self, rows: list[int]) -> Any:
-        """The recurrent states of request rows ``rows`` (to re-run a decode step from them)."""
-        return self._state_pool.get_cpu_copy(self._state_slots_of_rows(rows))
+    def _state_tensors(self) -> list[torch.Tensor]:
+        cache = self._state_pool.mamba_cache
+        return [*cache.conv, cache.temporal]  # each [mamba layers, slots, ...]
 
-    def restore_rows(self, rows: list[int], snapshot: Any) -> None:
-        self._state_pool.load_cpu_copy(snapshot, self._state_slots_of_rows(rows))
+    def snapshot_rows(self, rows: list[int]) -> Any:
+        """The recurrent states of request rows ``rows`` (to re-run a decode step from them), copied
+        on the pool's device by the kernel layer's snapshot op."""
+        from sglang_kvx.ops.state_snapshot import snapshot_states
+
+        if self._state_pool._slot_siblings:  # states beside conv / temporal: SGLang's own (host) copy
+            return ("host", self._state_pool.get_cpu_copy(self._state_slots_of_rows(rows)))
+        return ("device", snapshot_states(self._state_tensors(), self._state_slots_of_rows(rows), slot_dim=1))
+
+    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None) -> None:
+        """Put back the snapshot of ``rows``; only the rows at positions ``which`` (all when None)."""
+        from sglang_kvx.ops.state_snapshot import restore_states
+
+        where, copy = snapshot
+        if which is not None and len(which) < len(rows):
+            if where == "host":
+                raise NotImplementedError("restoring some rows of a host-side state snapshot")
+            index = torch.tensor(which, dtype=torch.long, device=copy[0].device)
+            copy = [c.index_select(1, index) for c in copy]
+            rows = [rows[i] for i in which]
+        if where == "host":
+            self._state_pool.load_cpu_copy(copy, self._state_slots_of_rows(rows))
+        else:
+            restore_states(self._state_tensors(), self._state_slots_of_rows(rows), copy, slot_dim=1)
+
+    @property
+    def restores_some_rows(self) -> bool:
+        """Whether ``restore_rows`` can put back some rows of a snapshot and leave the others."""
+        return not self._state_pool._slot_siblings
 
     def snapshot_state(self, request: "SGLangRequest") -> Any:
         return self._state_pool.get_cpu_copy(self._state_slot(request))
@@ -232,3 +259,40 @@ class SGLangBatch:
                 for i, row in enumerate(self.rows)
             ]
         return self._segments
+
+
+# The fields of a decode ForwardBatch that hold one entry per row (cut to a sub-batch's rows).
+_PER_ROW_FIELDS = (
+    "input_ids", "req_pool_indices", "req_pool_indices_cpu", "seq_lens", "seq_lens_cpu", "orig_seq_lens",
+    "out_cache_loc", "positions", "top_logprobs_nums", "token_ids_logprobs", "lora_ids", "rids", "rids_int",
+    "encoder_lens", "encoder_lens_cpu", "temperature", "top_p",
+)
+
+
+def decode_sub_batch(forward_batch: Any, which: list[int]) -> Any:
+    """A copy of a decode ``ForwardBatch`` holding only the rows at positions ``which`` (a Full re-run
+    of the rows that chose it); the forward plans its attention metadata afresh."""
+    import copy
+
+    size = forward_batch.batch_size
+    sub = copy.copy(forward_batch)
+    for name in _PER_ROW_FIELDS:
+        value = getattr(forward_batch, name, None)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape[0] != size:
+                raise NotImplementedError(f"decode sub-batch: field {name} has {value.shape[0]} entries for {size} rows")
+            setattr(sub, name, value.index_select(0, torch.tensor(which, dtype=torch.long, device=value.device)))
+        elif isinstance(value, list):
+            setattr(sub, name, [value[i] for i in which])
+    for name in ("mrope_positions", "spec_info", "global_num_tokens_cpu"):
+        if getattr(forward_batch, name, None) is not None:
+            raise NotImplementedError(f"decode sub-batch: {name} is set (not handled)")
+    sub.batch_size = len(which)
+    sub.seq_lens_sum = int(sub.seq_lens_cpu.sum()) if sub.seq_lens_cpu is not None else int(sub.seq_lens.sum())
+    for name in ("global_num_token_non_padded", "num_token_non_padded"):  # MoE masks padded rows by it
+        if getattr(sub, name, None) is not None:
+            setattr(sub, name, torch.tensor(len(which), dtype=torch.int32, device=sub.input_ids.device))
+    if getattr(sub, "global_num_token_non_padded_cpu", None) is not None:
+        sub.global_num_token_non_padded_cpu = len(which)
+    sub.forward_metadata_ready = False
+    return sub

@@ -67,6 +67,8 @@ class DecodeRunner:
         self.rows: dict[int, DecodeRow] = {}
         self.freed_slots = 0  # slots returned to the pool while their requests ran
         self.rerun_count = 0
+        self.rerun_forwards = 0  # forwards re-run ...
+        self.partial_reruns = 0  # ... of which over only the rows that asked (a sub-batch)
         self.routed_steps = 0  # steps of rows whose step reads hidden states, finished requests included
         self.full_steps = 0
         self.failures = 0
@@ -142,6 +144,10 @@ class DecodeRunner:
                 again.append(row)
         self.rerun_count += len(again)
         return again
+
+    def count_rerun(self, partial: bool) -> None:
+        self.rerun_forwards += 1
+        self.partial_reruns += partial
 
     def commit_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
         """The step is done: each routed row's committed final hidden state is its next prev_h."""

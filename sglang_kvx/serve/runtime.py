@@ -291,7 +291,9 @@ class Runtime:
             "kvzip_passes_pending": len(self.kvzip.jobs),
             "decode_rows": len(self.decode.rows),
             "decode_slots_freed": self.decode.freed_slots,
-            "decode_reruns": self.decode.rerun_count,
+            "decode_reruns": self.decode.rerun_count,  # rows re-run
+            "decode_rerun_forwards": self.decode.rerun_forwards,
+            "decode_partial_reruns": self.decode.partial_reruns,  # forwards re-running only some rows of a batch
             "oda_routed_steps": self.decode.routed_steps,
             "oda_full_steps": self.decode.full_steps,
             "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
