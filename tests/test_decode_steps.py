@@ -52,6 +52,9 @@ def test_streaming_decode_generates_16k_tokens_in_a_2k_pool_like_the_oracle(demo
         # The window mattered: the full-attention answer differs.
         full = run(server, prompt, 400)
         assert full["output_ids"] != body["output_ids"][:400]
+        # No recall head is trained for this model: On-Demand Attention is refused, clearly.
+        refused = server.generate({"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 4, **decode("oda")}})
+        assert refused.status_code == 400 and "needs a recall head" in refused.text, refused.text
     finally:
         server.stop()
 

@@ -155,3 +155,30 @@ def test_decode_settings_are_typed_and_built_once():
         parse_request_fields({"decode": {"step": "streamingllm", "window": 2.5}})
     with pytest.raises(SettingsError, match="window and full_every must be >= 1"):
         parse_request_fields({"decode": {"step": "span_schedule", "window": 0}})
+
+
+def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
+    from sglang_kvx.decode import FULL, DecodeSettings, parse_decode_settings
+    from sglang_kvx.settings import resolve_decode
+
+    oda = parse_request_fields({"decode": {"step": "oda", "theta": 0.25, "window": 32}}).decode
+    assert oda == DecodeSettings("oda", (("window", 32), ("theta", 0.25)))
+    step = oda.build()
+    assert step.reads_hidden and step.span(1).hidden(100) == (4, 68)
+    # Eq. 4: Full iff the score exceeds theta; a score that is not finite falls back to Full.
+    assert step.rerun_span(1, step.span(1), 0.2) is None
+    assert step.rerun_span(2, step.span(2), 0.3) is FULL
+    assert step.rerun_span(3, step.span(3), float("nan")) is FULL and step.schedule == [False, True, True]
+    for bad in ("0.5", True, float("inf"), 1e7, [0.5]):
+        with pytest.raises(SettingsError, match="theta must be a finite number"):
+            parse_request_fields({"decode": {"step": "oda", "theta": bad}})
+    # A request naming the server's step overrides single options; another step replaces it.
+    server = ServerDefaults("none", 1.0, 0, frozenset(), decode=parse_decode_settings({"step": "oda", "window": 64, "theta": 0.5}))
+    assert dict(resolve_decode(parse_request_fields({"decode": {"step": "oda", "theta": 1}}), server).options) == {"window": 64, "theta": 1.0}
+    assert resolve_decode(parse_request_fields(None), server) == server.decode
+    assert resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), server).step == "streamingllm"
+    # Chance routing at a rate: repeatable, about the rate over many steps.
+    chance = parse_decode_settings({"step": "random_route", "rate": 0.25, "seed": 3}).build()
+    picks = [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]
+    assert picks == [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]
+    assert 0.2 < sum(picks) / len(picks) < 0.3

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
+from sglang_kvx.ops.window_attention import window_attention
 from sglang_kvx.store import PrefixCells
 
 
@@ -110,7 +111,8 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     its own ranks of the compacted prefix plus the cells it borrowed from other layers' buffers.
     Reads the pool the same way as the backend: row slots from ``req_to_token``; keys cached
     after RoPE (a borrowed cell holds this layer's raw bytes, so this layer's scales apply).
-    The op (``ops/prefix_attention.py``) runs a Triton kernel on CUDA, its torch reference elsewhere."""
+    A decode batch whose rows each hide one interval runs the windowed decode op (``ops/window_attention.py``:
+    FlashInfer or Triton on CUDA); others the prefix-cells op (``ops/prefix_attention.py``); torch references elsewhere."""
     unsupported = sorted(name for name, value in kwargs.items() if value is not None)
     if unsupported:
         raise NotImplementedError(f"per-layer compacted lengths with attention options {unsupported}")
@@ -135,14 +137,23 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
             extra_k.append(pool.get_key_buffer(layer_id)[at])
             extra_v.append(pool.get_value_buffer(layer_id)[at])
             extra_counts[i] += at.numel()
-    extra_indptr = torch.tensor([0] + extra_counts).cumsum(0).to(rows.device)
     hidden = hidden.to(rows.device)
+    k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
+    v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
+    if decode and not extra_k:
+        # One hidden interval [a, b) per row and one query: sinks a plus a window of seq_len - b
+        # (a row hiding nothing reads all: window 0) -- the kernel layer's windowed decode op.
+        seq_lens = forward_batch.seq_lens
+        window = torch.where(hidden[1] > hidden[0], seq_lens - hidden[1], torch.zeros_like(seq_lens))
+        out = window_attention(q.reshape(-1, num_heads, head_dim), k_cache, v_cache,
+                               backend.req_to_token_pool.req_to_token, rows, seq_lens, hidden[0], window,
+                               scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale)
+        return out.reshape(-1, num_heads * layer.v_head_dim)
+    extra_indptr = torch.tensor([0] + extra_counts).cumsum(0).to(rows.device)
     out = prefix_cells_attention(
         q.reshape(-1, num_heads, head_dim), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
         rows, forward_batch.seq_lens, q_lens, hidden[0], hidden[1],
         torch.cat(extra_k) if extra_k else k_cache[:0], torch.cat(extra_v) if extra_v else v_cache[:0], extra_indptr,
-        scaling=layer.scaling,
-        k_scale=1.0 if layer.k_scale is None else float(layer.k_scale),
-        v_scale=1.0 if layer.v_scale is None else float(layer.v_scale),
+        scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale,
     )
     return out.reshape(-1, num_heads * layer.v_head_dim)

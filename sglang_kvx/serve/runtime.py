@@ -102,15 +102,15 @@ class Runtime:
         request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)")
 
     def _plan_round(self, request: Request) -> str | None:
-        state = self.admission.state_of(request) if request.state is None and not request.finished else request.state
-        if (state is not None and state.decode is not None and not request.holds_kv and self.recall_head is None
-                and state.decode.build().reads_hidden):
+        child = self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
+        state = request.state
+        if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
+                and not request.finished and state.decode.build().reads_hidden):
             request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
                           f"the server has none (--kvx-oda-head)")
             return None
-        if self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid)):
+        if child:
             return CHILD
-        state = request.state
         if (state is not None and state.parent and state.settings is not None and not request.holds_kv
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
