@@ -19,7 +19,7 @@ from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_co
 from sglang_kvx.reference.oda import always_full, always_local, head_route, oda_generate
 from sglang_kvx.serve.launcher import ServerProcess
 
-from test_compaction_e2e import GREEDY, text, wait_idle
+from test_compaction_e2e import GREEDY, compact, served_keep_set, stored, text, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +140,29 @@ def test_a_server_without_a_matching_head_refuses_oda(demo_paths, tmp_path):
         build_config(model_path=demo_paths["tiny-llama"], decode="oda", oda_head=str(head_dir))
     with pytest.raises(KvxConfigError, match="--kvx-decode"):
         build_config(model_path=demo_paths["tiny-llama"], decode='{"step": "oda", "theta": "x"}', oda_head=str(head_dir))
+
+
+@pytest.mark.parametrize("policy", ["knorm", "pyramidkv"])
+def test_oda_over_a_compacted_prefix_matches_the_oracle(oda_server, policy):
+    """A child of a compacted context runs ODA too: in each layer Local reads the first sinks and the
+    last window of that layer's own keys (its kept entries, then the child's tokens), as the oracle's
+    compacted cache holds them; PyramidKV's per-layer budgets put some kept entries in other layers'
+    cells (the window then reaches across them)."""
+    name, server, ref, head = oda_server
+    context = ref.encode(text(300, seed=81))
+    question = ref.encode(" what comes next?")
+    compact(server, context, policy, 0.5)
+    keep = served_keep_set(server, len(context), policy, 0.5)
+    if policy == "pyramidkv":  # per-layer budgets: some layers keep entries in other layers' cells
+        assert stored(server, len(context), policy, 0.5)["folded_entries"] > 0
+    for theta in (0.0, 1e6):
+        body = run(server, context + question, **{"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5,
+                                                 "decode": {"step": "oda", "sinks": SINKS, "window": WINDOW, "theta": theta}}}})
+        assert body["meta_info"]["kvx"][0]["child"] is True
+        tokens, lps, full = ref.compacted_route_generate(context, keep, question, NEW_TOKENS, SINKS, WINDOW,
+                                                         head_route(head, theta))
+        assert body["output_ids"] == tokens
+        assert close(logprobs(body), lps) <= 1e-4
+        assert body["meta_info"]["kvx"][-1]["full_steps"] == sum(full)
+    plain_child = run(server, context + question, **{"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5}}})
+    assert plain_child["output_ids"] != body["output_ids"]  # always-Local over the compacted prefix differs

@@ -50,8 +50,9 @@ def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     batch = link.batch(forward_batch)
     masked = runtime.admission.masked_rows(index, batch)
     if runtime.decode and batch.is_decode:
-        # A child never runs decode steps (refused at admission), so the two never name one row.
-        masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens))
+        # A child running a decode step: its span over this layer's own keys (kept entries, then its tokens).
+        contexts = runtime.admission.child_contexts(index, batch)
+        masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens, contexts))
     return masked
 
 

@@ -59,6 +59,7 @@ class DecodeStep:
     options: ClassVar[tuple[str, ...]] = ()  # the request fields it takes, each a whole number
     real_options: ClassVar[tuple[str, ...]] = ()  # ... and those that are real numbers
     reads_hidden: ClassVar[bool] = False  # rerun_span gets the recall head's score of each first run
+    drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
 
     def span(self, step: int) -> Span:
         return FULL

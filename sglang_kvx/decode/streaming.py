@@ -14,6 +14,7 @@ from sglang_kvx.decode.base import DecodeStep, Span, register_decode_step
 @register_decode_step("streamingllm")
 class StreamingDecode(DecodeStep):
     options = ("sinks", "window")
+    drops = True
 
     def __init__(self, *, sinks: int = 4, window: int = 256) -> None:
         if window < 1:

@@ -35,7 +35,12 @@ def _compacted_attention(module, query, key, value, attention_mask, scaling, dro
     value = value.repeat_interleave(group, dim=1)
     q_len, k_len = query.shape[2], key.shape[2]
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
-    visible = torch.arange(k_len)[None, :] < (k_len - q_len + 1 + torch.arange(q_len))[:, None]
+    keys, current = torch.arange(k_len)[None, :], (k_len - q_len + torch.arange(q_len))[:, None]
+    visible = keys <= current
+    span = kwargs.get("kvx_local_span")
+    if span is not None:
+        sinks, window = span
+        visible &= (keys < sinks) | (keys > current - window)
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
@@ -153,6 +158,61 @@ class HFReference:
                 position += len(step_ids)
                 step_ids = [token]
             return generated, logprobs
+        finally:
+            model.set_attn_implementation(previous)
+
+    @torch.no_grad()
+    def compacted_route_generate(
+        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int,
+        sinks: int, window: int, route: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool],
+    ) -> tuple[list[int], list[float], list[bool]]:
+        """``compacted_generate`` with local-first decoding (On-Demand Attention over a compacted
+        prefix): each decode step t first reads, in every attention layer, the first ``sinks`` and
+        the ``window`` most recent of that layer's keys (its K_l kept entries, then the question and
+        the answer so far); ``route(t, prev_h, emb, local_h)`` True re-runs it with all of them from
+        a copy of the pre-step cache. Returns tokens, log-probs and per step whether Full was kept."""
+        import copy
+
+        model = self.model
+        out = model(torch.tensor([context_ids]), use_cache=True)
+        cache = out.past_key_values
+        for positions, layer_id in zip(keep, self.attention_layer_ids):
+            layer = cache.layers[layer_id]
+            index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        _register_oracle_attention()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(ORACLE_ATTENTION)
+
+        def forward(ids: list[int], position: int, cache, span=None) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = torch.arange(position, position + len(ids))[None]
+            extra = {} if span is None else {"kvx_local_span": span}
+            hidden = model.model(torch.tensor([ids]), position_ids=positions, cache_position=positions[0],
+                                 past_key_values=cache, use_cache=True, **extra).last_hidden_state[0, -1]
+            return hidden.float(), model.lm_head(hidden).float()
+
+        try:
+            position = len(context_ids)
+            prev_h, logits = forward(list(question_ids), position, cache)
+            position += len(question_ids)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            full_steps: list[bool] = []
+            while True:
+                if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
+                    break
+                pre_step = copy.deepcopy(cache)
+                local_h, local_logits = forward(tokens[-1:], position, cache, (sinks, window))
+                emb = model.get_input_embeddings().weight[tokens[-1]].float()
+                full = bool(route(len(tokens), prev_h, emb, local_h))
+                if full:
+                    cache = pre_step
+                    prev_h, logits = forward(tokens[-1:], position, cache)
+                else:
+                    prev_h, logits = local_h, local_logits
+                full_steps.append(full)
+                position += 1
+            return tokens, logprobs, full_steps
         finally:
             model.set_attn_implementation(previous)
 

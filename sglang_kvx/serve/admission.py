@@ -126,11 +126,12 @@ class Admission:
         if context is None:
             self.make_room(wanted, tenant=tenant)
             return False
-        if state.fields.decode is not None:
-            request.abort("sglang_kvx: decode steps do not yet apply to a child of a compacted context; "
-                          "send it with \"compact\": false or without custom_params.kvx.decode")
-            return False
-        state.decode = None  # the server's --kvx-decode does not apply to children yet: full attention
+        if state.decode is not None and state.decode.build().drops:
+            if state.fields.decode is not None:
+                request.abort(f"sglang_kvx: decode step {state.decode.step!r} evicts entries, which does not yet "
+                              f"apply to a child of a compacted context; send it with \"compact\": false")
+                return False
+            state.decode = None  # the server's evicting default is not applied to children: full attention
         # Room for the child's own tokens, never by evicting the context it is about to read.
         self.make_room(wanted - context.n, keep=context, tenant=tenant)
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
@@ -278,6 +279,17 @@ class Admission:
             context = self.row_context.get(row)
             if context is not None and context.prefix_cells[layer] is not None:
                 found[i] = context.prefix_cells[layer]
+        return found
+
+    def child_contexts(self, layer: int, batch: Batch) -> dict[int, tuple[CompactedContext, PrefixCells | None]]:
+        """Batch index -> (the compacted context the row reads, its cells in attention layer ``layer``)."""
+        if not self.row_context:
+            return {}
+        found = {}
+        for i, row in enumerate(batch.rows):
+            context = self.row_context.get(row)
+            if context is not None:
+                found[i] = (context, context.prefix_cells[layer] if context.prefix_cells else None)
         return found
 
     def needs_per_layer_lengths(self, batch: Batch) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from sglang_kvx.decode import DecodeSettings, DecodeStep, Span
 from sglang_kvx.ports import KVPool, Request
-from sglang_kvx.store import PrefixCells
+from sglang_kvx.store import CompactedContext, PrefixCells
 
 logger = logging.getLogger(__name__)
 
@@ -207,15 +207,25 @@ class DecodeRunner:
         logger.exception("sglang_kvx: decode step %s failed; its request is aborted", state.step.name)
         state.request.abort(f"sglang_kvx: decode step {state.step.name!r} failed inside the server (internal error)")
 
-    def masked_rows(self, layer: int, rows: list[int], seq_lens: list[int]) -> dict[int, PrefixCells]:
-        """Batch index -> the interval this layer does not read, for decode rows that hide one."""
+    def masked_rows(self, layer: int, rows: list[int], seq_lens: list[int],
+                    contexts: dict[int, tuple[CompactedContext, PrefixCells | None]] | None = None) -> dict[int, PrefixCells]:
+        """Batch index -> what this layer reads, for decode rows that hide something this step.
+        ``contexts``: batch index -> (the compacted context a child reads, its cells in this layer)."""
         found = {}
         for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
             state = self.rows.get(row)
-            if state is not None:
-                start, end = state.hidden(layer, seq_len)
-                if end > start:
-                    found[i] = PrefixCells(num_slots=end, own=start)
+            if state is None:
+                continue
+            if contexts and i in contexts:
+                context, cells = contexts[i]
+                local = child_local_cells(state.span, context, layer, cells, self.pool.layer_id(layer),
+                                          self.pool.row(row, seq_len), seq_len)
+                if local is not None:
+                    found[i] = local
+                continue
+            start, end = state.hidden(layer, seq_len)
+            if end > start:
+                found[i] = PrefixCells(num_slots=end, own=start)
         return found
 
     def any_hidden(self) -> bool:
@@ -242,3 +252,33 @@ class DecodeRunner:
 
     def forget_all(self) -> None:
         self.rows.clear()
+
+
+def child_local_cells(span: Span, context: CompactedContext, layer: int, cells: PrefixCells | None, layer_id: int,
+                      row_slots: torch.Tensor, seq_len: int) -> PrefixCells | None:
+    """A child's span over one attention layer's own keys: the K_l entries that layer kept of the
+    compacted context (rank order = ascending positions), then the child's own tokens. The first
+    ``sinks`` and the last ``window`` of them are read (as the HF oracle's compacted cache has them);
+    None when the span hides nothing there. The result reads the current token from the row and
+    every other visible key as a cell (attention does not depend on key order)."""
+    num_slots, kept = context.num_slots, context.kept_per_layer[layer]
+    total = kept + seq_len - num_slots  # the layer's keys, the current token last
+    start, end = span.hidden(total)
+    if end <= start:
+        return None
+    device = row_slots.device
+    visible = torch.cat([torch.arange(min(start, total - 1), device=device),
+                         torch.arange(max(end, 0), total - 1, device=device)])  # the current token stays in the row
+    in_row = min(kept, num_slots)
+    own = visible[(visible < in_row) | (visible >= kept)]
+    own_slots = row_slots[torch.where(own < in_row, own, own - kept + num_slots)]
+    pieces = [(layer_id, own_slots)] if own.numel() else []
+    borrowed = visible[(visible >= in_row) & (visible < kept)] - in_row  # ranks in other layers' buffers
+    if borrowed.numel():
+        offset = 0
+        for other, slots in cells.borrowed:
+            take = borrowed[(borrowed >= offset) & (borrowed < offset + slots.numel())] - offset
+            if take.numel():
+                pieces.append((other, slots[take.to(slots.device)]))
+            offset += slots.numel()
+    return PrefixCells(num_slots=seq_len - 1, own=0, borrowed=tuple(pieces))

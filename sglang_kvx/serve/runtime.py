@@ -145,7 +145,7 @@ class Runtime:
         context = self.admission.place(request)
         state = request.state
         if state is not None and not request.finished and not request.aborted:
-            if context is None and state.decode is not None and not state.parent:
+            if state.decode is not None and not state.parent and not state.internal:
                 self.decode.admit(request.row, state.decode, request)
             if context is not None and state.internal:
                 self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
@@ -164,7 +164,7 @@ class Runtime:
         if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
             summary = self.decode.summary(request.row)
             if summary is not None:
-                state.outcome = {**summary, **self._flops(request, self.decode.rows[request.row].step)}
+                state.outcome = {**(state.outcome or {}), **summary, **self._flops(request, self.decode.rows[request.row].step)}
             # Slots a decode step freed already: SGLang must not free them again.
             owned_len = self.decode.release(request.row, request.owned_len)
             if owned_len is not None:
