@@ -33,7 +33,7 @@ def compacting(request, demo_paths, references):
     name = request.param
     server = ServerProcess(
         demo_paths[name], "--kvx-policy", "knorm", "--kvx-keep-fraction", "0.5", "--context-length", "4096",
-        max_total_tokens=8192,
+        "--enable-metrics", max_total_tokens=8192,
     )
     server.start()
     yield name, server, references[name]
@@ -293,6 +293,34 @@ def test_one_tenant_cannot_evict_another_tenants_reserved_context(compacting):
     body = generate(server, a_contexts[0] + question, 6, sampling=tagged("a"))
     assert "kvx" not in body["meta_info"] or not body["meta_info"]["kvx"]
     assert body["output_ids"] == ref.greedy(a_contexts[0] + question, 6)
+
+
+def scrape(server) -> dict[str, float]:
+    """sglang:kvx_* samples of SGLang's /metrics (labels dropped: one scheduler here)."""
+    found: dict[str, float] = {}
+    for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("sglang:kvx_"):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            found[name] = found.get(name, 0.0) + value
+    return found
+
+
+def test_the_extensions_figures_are_on_sglangs_prometheus_endpoint(compacting):
+    name, server, ref = compacting
+    server.flush()
+    before = scrape(server)
+    context = ref.encode(text(200, seed=91))
+    compact(server, context, "knorm", 0.5)
+    ask(server, context, ref.encode(" and?"), "knorm", 0.5, max_new_tokens=3)
+    stats, after = server.stats(), scrape(server)
+    assert after["sglang:kvx_compacted_contexts"] == len(stats["compacted_contexts"]) == 1
+    assert after["sglang:kvx_store_slots"] == stats["store_slots"] == stored(server, len(context), "knorm", 0.5)["slots"]
+    assert after["sglang:kvx_compactions_total"] - before.get("sglang:kvx_compactions_total", 0) == 1
+    assert after["sglang:kvx_bytes_freed_total"] == stats["bytes_freed"] > 0
+    assert after["sglang:kvx_scoring_seconds_count"] - before.get("sglang:kvx_scoring_seconds_count", 0) == 1
+    assert after["sglang:kvx_kvzip_passes_pending"] == 0 and "sglang:kvx_contexts_evicted_total" in after
+    server.flush()
+    assert scrape(server)["sglang:kvx_compacted_contexts"] == 0
 
 
 def test_a_full_cache_request_never_adopts_a_compacted_context(compacting):

@@ -120,7 +120,7 @@ ATTRIBUTES: dict[str, list[str]] = {
     ],
     "sglang.srt.managers.scheduler.Scheduler": [
         "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "server_args",
-        "model_config", "max_total_num_tokens", "handle_generate_request",
+        "model_config", "max_total_num_tokens", "handle_generate_request", "metrics_collector",
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "forward_mode", "req_pool_indices", "positions", "extend_seq_lens", "extend_start_loc",
@@ -128,6 +128,7 @@ ATTRIBUTES: dict[str, list[str]] = {
         "input_ids",
     ],
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
+    "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector": ["labels"],
     "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy", "mamba_cache", "_slot_siblings"],
 }
 

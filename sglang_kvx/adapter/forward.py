@@ -18,10 +18,11 @@ LINK_ATTR = "_kvx_link"
 class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
-    __slots__ = ("runtime", "_batch")
+    __slots__ = ("runtime", "metrics", "_batch")
 
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
+        self.metrics = metrics  # adapter.metrics.KvxMetrics with --enable-metrics, else None
         self._batch: SGLangBatch | None = None
 
     def batch(self, forward_batch: Any) -> SGLangBatch:

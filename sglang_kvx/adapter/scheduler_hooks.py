@@ -42,10 +42,17 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     runtime = build_runtime(scheduler, config)
     # SGLANG_KVX_GDN_SIGNALS=recompute takes the GPU route on CPU too (tests keep it honest).
     runtime.gdn_from_backend = on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
-    link = Link(runtime)
+    collector = getattr(scheduler, "metrics_collector", None)  # SGLang's, with --enable-metrics (stats rank)
+    link = Link(runtime, metrics=None if collector is None else _metrics(collector.labels))
     runner = scheduler.tp_worker.model_runner
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
         attach(holder, link)
+
+
+def _metrics(labels):
+    from sglang_kvx.adapter.metrics import KvxMetrics
+
+    return KvxMetrics(labels)
 
 
 def link_holders(req_to_token_pool, model, attn_backend) -> list:
@@ -139,7 +146,14 @@ def around_flush_cache(original, scheduler, *args, **kwargs):
     runtime = runtime_of(scheduler.req_to_token_pool)
     if runtime is not None and scheduler.token_to_kv_pool_allocator.available_size() == scheduler.max_total_num_tokens:
         runtime.forget_all()  # SGLang cleared every pool: the store's slots went with them
+    _sync_metrics(scheduler.req_to_token_pool)
     return result
+
+
+def _sync_metrics(holder) -> None:
+    link = link_of(holder)
+    if link is not None and link.metrics is not None:
+        link.metrics.sync(link.runtime)
 
 
 def after_session_held_tokens(held, observer, *_args, **_kwargs):
@@ -205,7 +219,9 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
     runtime = runtime_of(tree_cache.req_to_token_pool)
     if runtime is not None:
         runtime.before_release(SGLangRequest(req))
-    return original(req, tree_cache, *args, **kwargs)
+    result = original(req, tree_cache, *args, **kwargs)
+    _sync_metrics(tree_cache.req_to_token_pool)
+    return result
 
 
 # --- forward time ----------------------------------------------------------------------

@@ -275,16 +275,16 @@ class Runtime:
         self.decode.forget_all()
         self.recorder.clear()
 
-    def stats(self) -> dict[str, Any]:
-        contexts = list(self.store.contexts.values())
+    def counts(self) -> dict[str, Any]:
+        """The runtime's figures (numbers only: cheap enough for every scrape)."""
         return {
-            "compacted_contexts": [c.summary() for c in contexts],
             "store_slots": self.store.slots_held(),
+            "compactions_done": self.store.added,
+            "bytes_freed": self.store.entries_freed * self.pool.bytes_per_entry * self.pool.num_layers,
             "store_reserved_slots": self.admission.reserved_slots(),
             "compactions_skipped_no_room": self.skipped_no_room,
             "compactions_skipped_empty": self.degenerate,
             "compactions_failed": self.failures,
-            "last_compaction_error": self.errors[-1] if self.errors else None,
             "contexts_evicted": self.admission.evicted,
             "evictions_deferred_to_waiting": self.admission.deferred,
             "evictions_refused_reserved": self.admission.refused,
@@ -297,8 +297,16 @@ class Runtime:
             "oda_routed_steps": self.decode.routed_steps,
             "oda_full_steps": self.decode.full_steps,
             "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
-            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None],
             "decode_step_failures": self.decode.failures,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        contexts = list(self.store.contexts.values())
+        return {
+            "compacted_contexts": [c.summary() for c in contexts],
+            **self.counts(),
+            "last_compaction_error": self.errors[-1] if self.errors else None,
+            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None],
             "last_decode_step_error": self.decode.last_error,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],

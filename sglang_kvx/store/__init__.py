@@ -93,6 +93,8 @@ class ContextStore:
     """
 
     contexts: dict[tuple, CompactedContext] = field(default_factory=dict)
+    added: int = 0  # contexts stored so far (compactions done)
+    entries_freed: int = 0  # context entries the stored contexts did not keep (n - S each)
 
     def __len__(self) -> int:
         return len(self.contexts)
@@ -109,6 +111,8 @@ class ContextStore:
         if key in self.contexts:
             raise ValueError("context already compacted with these settings")
         self.contexts[key] = context
+        self.added += 1
+        self.entries_freed += context.n - context.num_slots
 
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> CompactedContext | None:
         """The longest context stored with ``settings`` that the prompt strictly extends."""
