@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -157,26 +158,57 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
     plot(rows, out / "accuracy_vs_keep_fraction.png")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from sglang_kvx.models.demo import DEFAULT_MODEL
+
     parser = argparse.ArgumentParser(prog="python -m sglang_kvx.eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", help="a running server; otherwise one is started on --model")
-    parser.add_argument("--model", default=None, help="model path (default: the embedded demo hybrid)")
-    parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1")
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--questions", type=int, default=1, help="questions per shared context (SCBench mode when > 1)")
+    parser.add_argument("--url", default=None,
+                        help="base URL of a running SGLang server with the extension, e.g. http://127.0.0.1:30000 "
+                             "(default: none; the runner starts its own on --model)")
+    parser.add_argument("--model", default=None,
+                        help="model folder for the server the runner starts (default: the embedded demo model, "
+                             f"weights/{DEFAULT_MODEL})")
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multikey_1",
+                        help=f"comma-separated suite tasks, of: {', '.join(sorted(TASKS))} (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=1024,
+                        help="tokens per prompt (context + question), counted with the model's tokenizer "
+                             "(default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=8,
+                        help="contexts per task; each is one session (default: %(default)s)")
+    parser.add_argument("--questions", type=int, default=1,
+                        help="questions per shared context; above 1, tasks that have a session form ask them all "
+                             "of one context (SCBench's shared-context mode) (default: %(default)s)")
     parser.add_argument("--policies", default="random,knorm,streamingllm,keydiff,snapkv,h2o,triattention,gatesight",
-                        help="comma-separated; POLICY@ALLOCATION overrides a policy's allocation (gatesight@flat, gatesight@pyramidkv)")
-    parser.add_argument("--fractions", default="0.9,0.5,0.2,0.1")
-    parser.add_argument("--protected-prefix-len", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/eval")
+                        help="comma-separated policies to sweep; POLICY@ALLOCATION overrides a policy's allocation "
+                             "(gatesight@flat, gatesight@pyramidkv); the full cache is always the reference row "
+                             "(default: %(default)s)")
+    parser.add_argument("--fractions", default="0.9,0.5,0.2,0.1",
+                        help="comma-separated kept fractions p in (0, 1] of each context's KV entries, one row per "
+                             "policy and p (default: %(default)s)")
+    parser.add_argument("--protected-prefix-len", type=int, default=0,
+                        help="leading context tokens every compacted context keeps outside the budget "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32,
+                        help="most tokens generated per answer, greedy (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the generated contexts, questions and answers; the training scripts use "
+                             "seeds from 10**6 up, so seeds below that are held out (default: %(default)s)")
+    parser.add_argument("--out", default="runs/eval",
+                        help="folder for results.json, results.csv and accuracy_vs_keep_fraction.png "
+                             "(default: %(default)s)")
     parser.add_argument("--estimator", default=None,
-                        help="GateSight estimator folder for the server this starts (default: the one shipped for the model)")
+                        help="GateSight estimator folder for the server the runner starts; not with --url "
+                             "(default: the one shipped for the model)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.estimator and args.url:
         parser.error("--estimator configures the server the runner starts; a running server (--url) has its own")
+    if importlib.util.find_spec("matplotlib") is None:  # the plot comes last: refuse before the sweep
+        parser.error("the plot (accuracy_vs_keep_fraction.png) needs matplotlib: pip install 'sglang-kvx[eval]'")
 
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]

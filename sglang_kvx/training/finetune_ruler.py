@@ -143,18 +143,38 @@ def half_life_report(model, tokenizer, length: int = 1024, seed: int = 0) -> dic
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang_kvx.training.finetune_ruler", description=__doc__.splitlines()[0])
+    parser.add_argument("--init", default="weights/tiny-hybrid",
+                        help="trained checkpoint folder to start from (default: %(default)s)")
+    parser.add_argument("--out", default="weights/tiny-hybrid-ruler",
+                        help="checkpoint folder to write; may equal --init to continue in place (default: %(default)s)")
+    parser.add_argument("--minutes", type=float, default=8.0,
+                        help="wall-clock budget of the training loop in minutes (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sampled training data and of the blocks --grow adds; suite samples use "
+                             "seeds from 10**6 up, apart from the evaluated ones (default: %(default)s)")
+    parser.add_argument("--grow", type=int, default=1,
+                        help="stack the layer pattern this many times first; new blocks start as identity "
+                             "(default: %(default)s, no growth)")
+    parser.add_argument("--tasks", default=",".join(RULER_TASKS),
+                        help="comma-separated suite tasks to train on (default: %(default)s)")
+    parser.add_argument("--lengths", default="512,768,1024",
+                        help="comma-separated sample lengths in tokens, one drawn per batch; repeat one to weight it "
+                             "(default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help="peak learning rate of AdamW, reached after 20 warm-up steps (default: %(default)s)")
+    parser.add_argument("--schedule", default="constant", choices=("constant", "cosine"),
+                        help="learning rate after the warm-up: constant, or cosine down to a tenth of the peak at "
+                             "the end of --minutes (default: %(default)s)")
+    parser.add_argument("--ruler-share", type=float, default=0.6,
+                        help="share in [0, 1] of suite samples in a batch; the rest is train_demo's needle data "
+                             "(default: %(default)s)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--init", default="weights/tiny-hybrid")
-    parser.add_argument("--out", default="weights/tiny-hybrid-ruler")
-    parser.add_argument("--minutes", type=float, default=8.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--grow", type=int, default=1, help="stack the layer pattern this many times first (new blocks start as identity)")
-    parser.add_argument("--tasks", default=",".join(RULER_TASKS), help="comma-separated suite tasks to train on")
-    parser.add_argument("--lengths", default="512,768,1024", help="comma-separated sample lengths in tokens (repeat one to weight it)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--schedule", default="constant", choices=("constant", "cosine"), help="learning rate after the warm-up")
-    parser.add_argument("--ruler-share", type=float, default=0.6, help="share of suite samples; the rest is train_demo's needle data")
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0.0 <= args.ruler_share <= 1.0:
         parser.error("--ruler-share must lie in [0, 1]")

@@ -571,16 +571,31 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, out: str | Path, met
 # ---------------------------------------------------------------------------
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_kvx.training.train_demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True,
+                   help="checkpoint folder to write: safetensors, tokenizer, kvx_demo.json (e.g. weights/tiny-hybrid; required)")
+    p.add_argument("--minutes", type=float, default=TrainConfig.minutes,
+                   help="wall-clock budget of the training loop in minutes; evaluation and saving come after "
+                        "(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="train exactly this many optimizer steps instead, ignoring --minutes, so a run repeats "
+                        "exactly (default: none, train for --minutes)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initialisation and the training data; evaluation items use another stream "
+                        "(default: %(default)s)")
+    p.add_argument("--arch", default=MODEL_NAME, choices=ARCHITECTURES,
+                   help="which tiny demo architecture to train, from build_demo_model's config (default: %(default)s)")
+    p.add_argument("--eval-items", type=int, default=TrainConfig.eval_items,
+                   help="items per task and length in the final greedy exact-match evaluation "
+                        f"(lengths {', '.join(map(str, EVAL_LENGTHS))} tokens) (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no tqdm bar, log lines only (default: off, the bar is shown)")
+    return p
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="checkpoint folder to write (e.g. weights/tiny-hybrid)")
-    p.add_argument("--minutes", type=float, default=TrainConfig.minutes, help="training wall-clock budget")
-    p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (ignores --minutes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", default=MODEL_NAME, choices=ARCHITECTURES, help="which tiny demo architecture to train")
-    p.add_argument("--eval-items", type=int, default=TrainConfig.eval_items, help="items per task and length")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (log lines only)")
-    return p.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -279,21 +279,38 @@ def evaluate(docs: list[Document], predictors: dict[str, callable]) -> dict[str,
 # --- entry point -------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="weights/tiny-hybrid-deep", help="hybrid checkpoint to train estimators for")
-    parser.add_argument("--out", default=None, help="estimator folder (default weights/gatesight/<model name>)")
-    parser.add_argument("--train-docs", type=int, default=360)
-    parser.add_argument("--heldout-docs", type=int, default=30)
-    parser.add_argument("--lengths", default="1024,2048")
-    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
-    parser.add_argument("--questions", type=int, default=3, help="continuations (question + answer) per document")
-    parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--loss", choices=LOSSES, default="listwise", help="the estimator's training loss (train_mlp)")
-    parser.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m sglang_kvx.training.train_gatesight", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="weights/tiny-hybrid-deep",
+                        help="hybrid GDN checkpoint folder to train estimators for (default: %(default)s)")
+    parser.add_argument("--out", default=None,
+                        help="estimator folder to write (default: weights/gatesight/<model folder name>)")
+    parser.add_argument("--train-docs", type=int, default=360,
+                        help="labelled training documents (default: %(default)s)")
+    parser.add_argument("--heldout-docs", type=int, default=30,
+                        help="labelled held-out documents the report is measured on (default: %(default)s)")
+    parser.add_argument("--lengths", default="1024,2048",
+                        help="comma-separated document lengths in tokens, cycled over the documents (default: %(default)s)")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                        help="comma-separated suite tasks the documents come from, cycled (default: %(default)s)")
+    parser.add_argument("--questions", type=int, default=3,
+                        help="continuations (question + answer) labelled per document (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=60,
+                        help="passes over the training documents for each MLP (default: %(default)s)")
+    parser.add_argument("--loss", choices=LOSSES, default="listwise",
+                        help="the estimator's training loss (train_mlp): mse on the labels, or listwise ranking "
+                             "within a document (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the documents (suite seeds from 10**6 up, apart from the evaluated ones) and "
+                             "of the MLPs' initialisation (default: %(default)s)")
     parser.add_argument("--docs-cache", default=None,
                         help="file of labelled documents: reused when it was built with the same model and data "
-                             "arguments, else (re)built and written; labelling is most of the run")
+                             "arguments, else (re)built and written; labelling is most of the run (default: none)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from sglang_kvx.reference.hf import HFReference
 
