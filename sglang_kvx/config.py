@@ -27,6 +27,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
     "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules)."),
     "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
+    "kvx_auto_context_min_tokens": ("0", "Compact, unasked, the beginning plain requests keep repeating once it is at least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); 0 = off (such prefixes are only logged)."),
     "kvx_oda_head": ("", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in <model>/oda or weights/oda/<model folder name>)."),
     "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
@@ -47,6 +48,7 @@ class KvxConfig:
     decode_steps: bool = False  # requests may ask for decode-time steps
     decode: str = ""  # the server's default decode step, as canonical JSON ("" = none)
     oda_head: str = ""  # the recall head folder for On-Demand Attention ("" = none found)
+    auto_context_min_tokens: int = 0  # compact repeated plain-request beginnings this long (0 = off)
     min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
 
     @property
@@ -80,13 +82,7 @@ def parse_keep_fraction(raw: str | float) -> float:
 
 
 def parse_protected_prefix_len(raw: str | int) -> int:
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise KvxConfigError(f"--kvx-protected-prefix-len must be a whole number >= 0, got {raw!r}") from None
-    if value < 0:
-        raise KvxConfigError(f"--kvx-protected-prefix-len must be >= 0, got {value}")
-    return value
+    return parse_count(raw, "--kvx-protected-prefix-len")
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -148,6 +144,16 @@ def parse_store_fraction(raw: str | float) -> float:
         raise KvxConfigError(f"--kvx-min-store-fraction must be a number in [0, 1), got {raw!r}") from None
     if not 0.0 <= value < 1.0:
         raise KvxConfigError(f"--kvx-min-store-fraction must be in [0, 1), got {value:g}")
+    return value
+
+
+def parse_count(raw: str | int, flag: str) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise KvxConfigError(f"{flag} must be a whole number >= 0, got {raw!r}") from None
+    if value < 0:
+        raise KvxConfigError(f"{flag} must be a whole number >= 0, got {value}")
     return value
 
 
@@ -219,6 +225,7 @@ def build_config(
     min_store_fraction: str | float = 0.25,
     decode: str = "",
     oda_head: str = "",
+    auto_context_min_tokens: str | int = 0,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -241,6 +248,7 @@ def build_config(
         min_store_fraction=parse_store_fraction(min_store_fraction),
         decode=parse_decode_flag(decode),
         oda_head=find_recall_head(str(model_path or ""), str(oda_head or "")),
+        auto_context_min_tokens=parse_count(auto_context_min_tokens, "--kvx-auto-context-min-tokens"),
     )
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.

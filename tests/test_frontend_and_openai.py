@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+import torch
 
 from sglang_kvx.serve.launcher import ServerProcess
 
@@ -78,3 +79,71 @@ def test_openai_completions_are_children_too(server):
     assert response.status_code == 200, response.text
     assert contexts(server)[0]["reuse_count"] == 1
     assert response.json()["choices"][0]["text"] == child_answer(server, CONTEXT + QUESTIONS[0])
+
+
+# --- beginnings no client marked (--kvx-auto-context-min-tokens) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def auto_server(demo_paths):
+    with ServerProcess(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
+                       "--kvx-auto-context-min-tokens", "64", max_total_tokens=8192) as server:
+        yield server
+
+
+def wait_for_contexts(server, count: int = 1, timeout: float = 60.0) -> list[dict]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(contexts(server)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return contexts(server)
+
+
+def test_raw_clients_repeating_a_document_get_it_compacted_unasked(auto_server, references):
+    """Plain requests (no marking at all) that repeat a long beginning: the server compacts their
+    common beginning as a parent of its own; a later question about it is a child, answered as the
+    HF oracle answers from the same keep-set."""
+    server, ref = auto_server, references["tiny-hybrid-deep"]
+    server.flush()
+    prompts = [ref.encode(CONTEXT + question) for question in QUESTIONS]
+
+    def ask(ids, n=6):
+        response = server.generate({"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n}})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    first, second = ask(prompts[0]), ask(prompts[1])
+    assert "kvx" not in first["meta_info"] or not first["meta_info"]["kvx"]  # plain, served as usual
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    [entry] = wait_for_contexts(server)
+    assert entry["context_tokens"] == shared and entry["policy"] == "keydiff"
+    assert server.stats()["auto_contexts_queued"] == 1
+    third = ask(prompts[2])
+    assert third["meta_info"]["kvx"][-1]["child"] is True
+    keep = [torch.tensor(layer) for layer in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()[0]["positions"]]
+    expected, _ = ref.compacted_generate(prompts[2][:shared], keep, prompts[2][shared:], 6)
+    assert third["output_ids"] == expected
+
+
+def test_the_frontends_threaded_fork_gets_its_document_compacted(auto_server):
+    """SGLang's frontend default (run() on its executor thread) may fork before the document is
+    applied, so it marks nothing; the forks repeat the document, which the server then compacts,
+    and the next program's forks are its children."""
+    import sglang as sgl
+
+    @sgl.function
+    def ask_all(s, context, questions):
+        s += context
+        forks = s.fork(len(questions))
+        for fork, question in zip(forks, questions):
+            fork += question + sgl.gen("answer", max_tokens=6, temperature=0)
+        s["answers"] = [fork["answer"] for fork in forks]
+
+    server = auto_server
+    server.flush()
+    backend = sgl.RuntimeEndpoint(server.url)
+    ask_all.run(context=CONTEXT, questions=QUESTIONS, backend=backend)  # the default: threaded
+    assert wait_for_contexts(server), server.stats()
+    ask_all.run(context=CONTEXT, questions=QUESTIONS, backend=backend)
+    assert sum(c["reuse_count"] for c in contexts(server)) >= len(QUESTIONS)

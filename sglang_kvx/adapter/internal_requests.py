@@ -1,16 +1,17 @@
-"""Internal requests the extension queues through SGLang's scheduler (KVzip's reconstruction passes)."""
+"""Internal requests the extension queues through SGLang's scheduler (KVzip's reconstruction passes,
+parents of shared prefixes no client marked)."""
 
 from __future__ import annotations
 
 from array import array
 
 
-def prefill_only_request(rid: str, input_ids: list[int]):
-    """An internal prefill-only request, shaped like the tokenizer manager's."""
+def prefill_only_request(rid: str, input_ids: list[int], compact: bool = False):
+    """An internal prefill-only request, shaped like the tokenizer manager's; a parent when ``compact``."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    sampling = SamplingParams(max_new_tokens=0, custom_params={"kvx": {"compact": False}})
+    sampling = SamplingParams(max_new_tokens=0, custom_params={"kvx": {"compact": compact}})
     sampling.normalize(None)
     return TokenizedGenerateReqInput(
         rid=rid, input_text=None, input_ids=array("q", input_ids), input_embeds=None, mm_inputs=None,

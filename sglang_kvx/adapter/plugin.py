@@ -82,6 +82,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             min_store_fraction=getattr(args, "kvx_min_store_fraction", "0.25"),
             decode=getattr(args, "kvx_decode", ""),
             oda_head=getattr(args, "kvx_oda_head", ""),
+            auto_context_min_tokens=getattr(args, "kvx_auto_context_min_tokens", "0"),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.

@@ -94,10 +94,10 @@ def build_runtime(scheduler, config):
         decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
     )
 
-    def submit(rid: str, input_ids: list[int]) -> None:
+    def submit(rid: str, input_ids: list[int], compact: bool = False) -> None:
         from sglang_kvx.adapter.internal_requests import prefill_only_request
 
-        scheduler.handle_generate_request(prefill_only_request(rid, input_ids))
+        scheduler.handle_generate_request(prefill_only_request(rid, input_ids, compact))
 
     return Runtime(
         config, pool, defaults, num_rows=scheduler.req_to_token_pool.size + 1, num_q_heads=hf.num_attention_heads,

@@ -39,6 +39,7 @@ class RequestState:
     outcome: dict | None = None  # what the extension did with it, for the response's meta_info["kvx"]
     reported: bool = False  # the outcome went out with a response
     decode: DecodeSettings | None = None  # the decode step it runs (its own or --kvx-decode's)
+    prefix_checked: bool = False  # a plain request was compared with earlier prompts (shared beginnings)
 
 
 class Admission:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sglang_kvx.compact.compactor import Compactor
-from sglang_kvx.compact.second_pass import PASS_CAPTURE, KVzipSecondPass
+from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.policies import KVPolicy, get_policy
@@ -26,7 +26,8 @@ from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.serve.admission import Admission, RequestState
 from sglang_kvx.serve.decoding import DecodeRunner
-from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.serve.shared_prefixes import SharedPrefixes
+from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
 from sglang_kvx.signals import CaptureSpec
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 MAX_ERRORS_KEPT = 32
 MIN_COMPACTED_TOKENS = 2  # a parent with fewer tokens outside its protected prefix is served uncompacted
 CHILD, WHOLE = "child", "whole"  # what before_round asks of the prefix match
+AUTO_RID_PREFIX = INTERNAL_RID_PREFIX + "shared-prefix-"  # parents of beginnings plain requests repeat
 
 
 def _summary(context) -> dict:
@@ -47,7 +49,7 @@ def _summary(context) -> dict:
 class Runtime:
     def __init__(self, config: KvxConfig, pool: KVPool, defaults: ServerDefaults, *, num_rows: int,
                  num_q_heads: int, attention_layer_ids: list[int], gdn_layer_ids: list[int],
-                 rope_inv_freq: Callable[[], torch.Tensor], submit: Callable[[str, list[int]], None],
+                 rope_inv_freq: Callable[[], torch.Tensor], submit: Callable[..., None],
                  tokenizer: Any, context_len: int) -> None:
         self.config = config
         self.pool = pool
@@ -64,6 +66,9 @@ class Runtime:
         if self.recall_head is not None:
             self.recall_head.to(pool.device)
         self.decode = DecodeRunner(pool, self.recall_head)
+        self.submit = submit
+        self.shared = SharedPrefixes(config.auto_context_min_tokens)
+        self.auto_contexts = 0  # parents queued for shared beginnings
         self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
@@ -102,6 +107,8 @@ class Runtime:
         request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)")
 
     def _plan_round(self, request: Request) -> str | None:
+        if request.rid.startswith(AUTO_RID_PREFIX) and request.state is None:
+            request.hide_from_client()  # a parent the server queued itself: no client waits for it
         child = self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
         state = request.state
         if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
@@ -111,10 +118,32 @@ class Runtime:
             return None
         if child:
             return CHILD
+        if state is not None and not state.prefix_checked and not state.parent and not state.internal:
+            state.prefix_checked = True
+            self._shared_prefix(request, state)
         if (state is not None and state.parent and state.settings is not None and not request.holds_kv
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
         return None
+
+    def _shared_prefix(self, request: Request, state: RequestState) -> None:
+        """A plain request repeating a long beginning of an earlier one: queue that beginning as a
+        parent (``--kvx-auto-context-min-tokens``), or log what to do (flag off)."""
+        if state.fields != NO_FIELDS or request.has_output or not get_policy(self.defaults.policy).compacts:
+            return
+        prefix = self.shared.observe(request.input_ids)
+        if prefix is None:
+            return
+        if self.shared.min_tokens == 0:
+            if self.shared.seen == 1 or self.shared.seen % 100 == 0:
+                logger.warning("sglang_kvx: %d plain requests repeated a beginning of %d+ tokens that no client marked "
+                               "as a context (e.g. a %d-token one); send it once with max_new_tokens 0, or serve with "
+                               "--kvx-auto-context-min-tokens", self.shared.seen, self.shared.threshold, len(prefix))
+            return
+        self.shared.pending.add(prefix)
+        self.auto_contexts += 1
+        self.submit(f"{AUTO_RID_PREFIX}{self.auto_contexts}", list(prefix), True)
+        logger.info("sglang_kvx: compacting a %d-token beginning that plain requests repeat", len(prefix))
 
     def bounded_max_new_tokens(self, request: Request, requested: int, max_request_len: int, pool_tokens: int) -> int | None:
         """For a request whose decode step bounds its live KV (StreamingLLM), the generation length
@@ -161,6 +190,8 @@ class Runtime:
         state = request.state
         if state is None:
             return
+        if request.finished and request.rid.startswith(AUTO_RID_PREFIX):
+            self.shared.pending.discard(tuple(int(t) for t in request.input_ids))
         if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
             summary = self.decode.summary(request.row)
             if summary is not None:
@@ -298,6 +329,8 @@ class Runtime:
             "oda_full_steps": self.decode.full_steps,
             "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
             "decode_step_failures": self.decode.failures,
+            "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
+            "auto_contexts_queued": self.auto_contexts,
         }
 
     def stats(self) -> dict[str, Any]:
