@@ -129,16 +129,8 @@ class HFReference:
 
         GDN states are left as the full prefill produced them; later tokens keep their true positions.
         """
-        if len(keep) != len(self.attention_layer_ids):
-            raise ValueError(f"keep has {len(keep)} layers, the model has {len(self.attention_layer_ids)} attention layers")
         model = self.model
-        out = model(torch.tensor([context_ids]), use_cache=True)
-        cache = out.past_key_values
-        for positions, layer_id in zip(keep, self.attention_layer_ids):
-            layer = cache.layers[layer_id]
-            index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+        cache = self._compacted_cache(context_ids, keep)
         _register_oracle_attention()
         previous = model.config._attn_implementation
         model.set_attn_implementation(ORACLE_ATTENTION)
@@ -161,6 +153,17 @@ class HFReference:
         finally:
             model.set_attn_implementation(previous)
 
+    def _compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor]):
+        """The context's prefill cache with each attention layer cut to its kept positions per KV head."""
+        if len(keep) != len(self.attention_layer_ids):
+            raise ValueError(f"keep has {len(keep)} layers, the model has {len(self.attention_layer_ids)} attention layers")
+        cache = self.model(torch.tensor([context_ids]), use_cache=True).past_key_values
+        for positions, layer_id in zip(keep, self.attention_layer_ids):
+            layer = cache.layers[layer_id]
+            index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        return cache
+
     @torch.no_grad()
     def compacted_route_generate(
         self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int,
@@ -174,12 +177,7 @@ class HFReference:
         import copy
 
         model = self.model
-        out = model(torch.tensor([context_ids]), use_cache=True)
-        cache = out.past_key_values
-        for positions, layer_id in zip(keep, self.attention_layer_ids):
-            layer = cache.layers[layer_id]
-            index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
+        cache = self._compacted_cache(context_ids, keep)
         _register_oracle_attention()
         previous = model.config._attn_implementation
         model.set_attn_implementation(ORACLE_ATTENTION)
