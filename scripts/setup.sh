@@ -14,6 +14,8 @@ stamp=.venv/.kvx-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[setup] installing sglang_kvx and its dependencies (sglang 0.5.23, torch, transformers; a few minutes the first time)"
+  # The test extra: pytest plus the eval (matplotlib) and gguf (gguf, accelerate) extras the suite
+  # runs; the package's serving path imports none of them (pyproject.toml; SGLang pulls gguf itself).
   .venv/bin/python -m pip install --quiet -e ".[test]"
   echo "$want" > "$stamp"
 fi
