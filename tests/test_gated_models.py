@@ -219,3 +219,13 @@ def test_training_lowers_the_loss_and_records_a_disjoint_split(tmp_path):
         assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
     gated = json.loads((out / cells[0] / "manifest.json").read_text())
     assert gated["final_val_gate_mean"] < 1 / (1 + math.exp(-5))  # the budget term pulls the gates down
+
+
+def test_every_trainer_option_has_a_help_line_with_its_default():
+    from test_cli_help import help_problems
+
+    from sglang_kvx.training.train_gated import build_parser
+
+    parser = build_parser()
+    assert help_problems(parser) == []
+    parser.format_help()

@@ -59,7 +59,7 @@ EOS = "<|endoftext|>"
 # ---------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cells", default="all",
                    help=f"comma-separated cells to train, or 'all' ({', '.join(ALL_CELLS)})")
@@ -92,7 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="validation windows per evaluation (the final evaluation uses all of them)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order (same for every cell)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 # ---------------------------------------------------------------------------
