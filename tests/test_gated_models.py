@@ -200,6 +200,7 @@ def test_training_lowers_the_loss_and_records_a_disjoint_split(tmp_path):
                     "--batch-size", "4", "--steps", "40", "--warmup", "5", "--lr", "3e-3", "--eval-every", "0",
                     "--eval-windows", "8"])
     assert [r["cell"] for r in results] == cells
+    assert [r["cell"] for r in json.loads((out / "summary.json").read_text())] == sorted(cells)
     for cell in cells:
         d = out / cell
         manifest = json.loads((d / "manifest.json").read_text())

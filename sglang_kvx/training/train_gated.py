@@ -298,6 +298,17 @@ def train_cell(cell: str, args, tokenizer, train: torch.Tensor, val: torch.Tenso
     return manifest
 
 
+def write_summary(out: str | Path) -> Path:
+    """``<out>/summary.json``: one row per trained cell, read back from the manifests."""
+    out = Path(out)
+    keys = ("cell", "steps_done", "steps_planned", "partial", "stopped_by", "tokens_seen", "initial_val_loss",
+            "final_train_ce", "final_val_loss", "final_val_ppl", "final_val_gate_mean", "train_seconds")
+    rows = [{k: json.loads(p.read_text()).get(k) for k in keys} for p in sorted(out.glob("*/manifest.json"))]
+    path = out / "summary.json"
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    return path
+
+
 # ---------------------------------------------------------------------------
 # Main: data once, then every cell
 # ---------------------------------------------------------------------------
@@ -345,6 +356,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{cell}: {m['steps_done']}/{m['steps_planned']} steps, val ce {m['final_val_loss']:.4f} "
               f"(ppl {m['final_val_ppl']:.2f}), {m['train_seconds'] / 60:.1f} min"
               + ("" if m["final_val_gate_mean"] is None else f", gate mean {m['final_val_gate_mean']:.3f}"))
+    write_summary(args.out)
     return results
 
 
