@@ -1,0 +1,221 @@
+"""Sessions per pool, measured: N shared documents x M questions against one fixed KV pool, compaction on vs off.
+
+    OMP_NUM_THREADS=1 python perf/bench_sessions.py [--model tiny-hybrid-deep] [--pool 32768] [--length 2048]
+        [--sessions 24] [--questions 4] [--clients 4] [--policy gatesight] [--keep-fraction 0.1] [--seed 0]
+
+Two arms, one real server each (run one after the other), the same workload, radix cache on in both:
+  - ``off``: ``--kvx-policy none`` (SGLang with the extension doing nothing);
+  - ``on``: ``--kvx-policy gatesight --kvx-keep-fraction 0.1`` (every document compacted).
+The workload: ``--sessions`` documents of about ``--length`` tokens (the evaluation suite's
+niah_single_2, one fact each, seed ``--seed``, sample i for session i), each asked its question
+``--questions`` times, rounds interleaved round-robin (round r asks session 0, 1, ..., N-1), so the
+documents compete for the pool. ``--clients`` threads take the jobs in that order; a session's jobs
+never overlap. A session's first job commits its document (a prefill-only request: the parent in
+the ``on`` arm, a radix-cache entry in the ``off`` arm), then every job asks ``document +
+question`` (greedy, ``--max-new-tokens``).
+
+What counts, all measured from the server's answers:
+  - a *hit*: ``off`` arm: the question's ``meta_info.cached_tokens`` covers the document (>= the
+    document's token count, as the committing request reported it); ``on`` arm: the question was
+    served as a child of the compacted document (``meta_info.kvx`` says ``child``).
+  - a *re-prefill* (``context_reprefills``): a question that was not a hit, i.e. the document had
+    been evicted (wholly or partly) and was prefilled again. ``off`` arm: that question's own
+    prefill re-inserts it into the radix cache. ``on`` arm: the question ran as a plain request
+    (full prefill), and the client then re-sends the parent so the next questions are children
+    again (``parents_resent``): one re-prefill event costs two prefills there.
+  - *resident sessions* (``peak_resident_sessions``): a session is known resident from the end of
+    its previous request (commit, question or re-sent parent) until the start of a question that
+    hit; the peak is the most such intervals open at one moment. Misses contribute nothing (when
+    the document left the pool is not observable), so this is a lower bound, the same in both arms.
+    The ``on`` arm also reports ``peak_store_contexts``: the most compacted contexts ``/kvx/stats``
+    listed at once (polled every ``--poll`` seconds), and ``contexts_evicted`` (the store's count).
+    Both arms report ``peak_pool_tokens_in_use`` (pool total - free, same polls).
+  - ``questions_per_s``: questions answered / the workload's wall time (commits and re-sent
+    parents included); ``latency_p50_s`` / ``latency_p99_s``: per question request, end to end.
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
+from sglang_kvx.serve.launcher import ServerProcess
+
+TASK = "niah_single_2"  # one fact in a per-sample essay: documents share only the task's introduction
+
+
+def build_documents(count: int, length: int, seed: int) -> list[dict]:
+    from sglang_kvx.eval.tasks import generate_session
+
+    docs = []
+    for i in range(count):
+        session = generate_session(TASK, length, num_questions=1, seed=seed, index=i)
+        docs.append({"context": session.context, "question": session.turns[0].question, "expected": session.turns[0].answers[0]})
+    return docs
+
+
+def peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(a, 1) for a, b in intervals] + [(b, -1) for a, b in intervals], key=lambda e: (e[0], e[1]))
+    open_, peak = 0, 0
+    for _, step in events:
+        open_ += step
+        peak = max(peak, open_)
+    return peak
+
+
+def run_arm(name: str, args, docs: list[dict]) -> dict:
+    on = name == "on"
+    flags = ["--kvx-policy", args.policy, "--kvx-keep-fraction", str(args.keep_fraction)] if on else ["--kvx-policy", "none"]
+    server = ServerProcess(weights_root() / args.model, *flags, "--context-length", str(args.length + 256), max_total_tokens=args.pool)
+    kvx = {"custom_params": {"kvx": {}}} if on else {}
+    state = [{"tokens": None, "since": None, "lock": threading.Lock()} for _ in docs]
+    jobs = [(r, s) for r in range(args.questions) for s in range(len(docs))]  # round-robin
+    next_job = iter(jobs)
+    job_lock = threading.Lock()
+    records: list[dict] = []
+    intervals: list[tuple[float, float]] = []
+    counters = {"parents_sent": 0, "parents_resent": 0, "parents_not_compacted": 0}
+    counter_lock = threading.Lock()
+
+    def count(key: str) -> None:
+        with counter_lock:
+            counters[key] += 1
+    peaks = {"store_contexts": 0, "pool_tokens_in_use": 0}
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def commit(s: int) -> None:
+        response = server.generate({"text": docs[s]["context"], "sampling_params": {"max_new_tokens": 0, **kvx}})
+        response.raise_for_status()
+        meta = response.json()["meta_info"]
+        state[s]["tokens"] = meta["prompt_tokens"]
+        count("parents_sent")
+        if on and not (meta.get("kvx") or [{}])[-1].get("compacted"):
+            count("parents_not_compacted")
+
+    def ask(s: int) -> None:
+        doc, st = docs[s], state[s]
+        sampling = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, **kvx}
+        start = time.perf_counter()
+        response = server.generate({"text": doc["context"] + doc["question"], "sampling_params": sampling})
+        end = time.perf_counter()
+        response.raise_for_status()
+        body = response.json()
+        meta = body["meta_info"]
+        if on:
+            hit = bool((meta.get("kvx") or [{}])[-1].get("child"))
+        else:
+            hit = meta["cached_tokens"] >= st["tokens"]
+        if hit:
+            intervals.append((st["since"], start))
+        records.append({"latency": end - start, "hit": hit, "right": doc["expected"] in body["text"]})
+        if not hit and on:  # compact it again, so the next questions are children
+            commit(s)
+            count("parents_resent")
+        st["since"] = time.perf_counter()
+
+    def client() -> None:
+        try:
+            while True:
+                with job_lock:
+                    job = next(next_job, None)
+                if job is None or failures:
+                    return
+                r, s = job
+                with state[s]["lock"]:
+                    if r == 0:
+                        commit(s)
+                        state[s]["since"] = time.perf_counter()
+                    ask(s)
+        except BaseException as exc:  # surfaced after the join
+            failures.append(exc)
+
+    def monitor() -> None:
+        while not done.wait(args.poll):
+            try:
+                stats = server.stats()
+            except Exception:
+                continue
+            peaks["pool_tokens_in_use"] = max(peaks["pool_tokens_in_use"], stats["kv_pool_total_tokens"] - stats["kv_pool_free_tokens"])
+            peaks["store_contexts"] = max(peaks["store_contexts"], len(stats.get("compacted_contexts", [])))
+
+    with server:
+        server.generate({"text": "warm up " * 64, "sampling_params": {"max_new_tokens": 4}}).raise_for_status()
+        server.flush()
+        watcher = threading.Thread(target=monitor, daemon=True)
+        watcher.start()
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        done.set()
+        watcher.join()
+        if failures:
+            raise failures[0]
+        final = server.stats()
+    latencies = np.array([r["latency"] for r in records])
+    misses = sum(not r["hit"] for r in records)
+    out = {
+        "server_flags": " ".join(flags),
+        "peak_resident_sessions": peak_overlap(intervals),
+        "peak_pool_tokens_in_use": peaks["pool_tokens_in_use"],
+        "questions": len(records),
+        "wall_s": round(wall, 3),
+        "questions_per_s": round(len(records) / wall, 3),
+        "context_reprefills": misses,
+        "reprefill_rate": round(misses / len(records), 4),
+        "latency_p50_s": round(float(np.percentile(latencies, 50)), 4),
+        "latency_p99_s": round(float(np.percentile(latencies, 99)), 4),
+        "latency_mean_s": round(float(latencies.mean()), 4),
+        "answers_right": sum(r["right"] for r in records),
+        "parents_sent": counters["parents_sent"],
+        "document_tokens_mean": round(float(np.mean([st["tokens"] for st in state if st["tokens"]])), 1),
+    }
+    if on:
+        out.update({
+            "peak_store_contexts": max(peaks["store_contexts"], len(final.get("compacted_contexts", []))),
+            "parents_resent": counters["parents_resent"],
+            "parents_not_compacted": counters["parents_not_compacted"],
+            "contexts_evicted": final.get("contexts_evicted"),
+            "slots_per_context_mean": round(float(np.mean([c["slots"] for c in final.get("compacted_contexts", [])] or [0])), 1),
+        })
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="embedded demo checkpoint (default %(default)s)")
+    parser.add_argument("--pool", type=int, default=32768, help="--max-total-tokens of both servers, in KV slots (default %(default)s)")
+    parser.add_argument("--length", type=int, default=2048, help="tokens of a document + its question (default %(default)s)")
+    parser.add_argument("--sessions", type=int, default=24, help="documents N (default %(default)s)")
+    parser.add_argument("--questions", type=int, default=4, help="questions M per document (default %(default)s)")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent client threads (default %(default)s)")
+    parser.add_argument("--policy", default="gatesight", help="policy of the 'on' arm (default %(default)s)")
+    parser.add_argument("--keep-fraction", type=float, default=0.1, help="kept fraction p of the 'on' arm (default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy answer tokens (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents (default %(default)s)")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between /kvx/stats polls (default %(default)s)")
+    parser.add_argument("--arms", default="off,on", help="arms to run, in order (default %(default)s)")
+    args = parser.parse_args()
+    ensure_demo_models()
+    docs = build_documents(args.sessions, args.length, args.seed)
+    result = {
+        "model": args.model, "pool_tokens": args.pool, "length": args.length, "task": TASK, "seed": args.seed,
+        "sessions": args.sessions, "questions_per_session": args.questions, "clients": args.clients,
+        "policy": args.policy, "keep_fraction": args.keep_fraction,
+        "arms": {name: run_arm(name, args, docs) for name in args.arms.split(",")},
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
