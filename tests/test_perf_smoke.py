@@ -1,0 +1,100 @@
+"""Every benchmark in perf/ (but gpu_check.py: test_ops_prefix_attention.py runs its --smoke sizes) at smoke size, so none can rot.
+
+Each test runs one script as its own subprocess with tiny arguments (its own servers, nothing shared
+between tests), then checks that it exited cleanly and that its stdout ends with one JSON object
+carrying the keys the README's figures are read from (perf/README.md names each full-size command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(script: str, *args: str, timeout: float = 300) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "perf" / script), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    out = proc.stdout
+    start = next((i for i, line in enumerate(out.splitlines(keepends=True)) if line.startswith("{")), None)
+    assert start is not None, f"{script} printed no JSON object:\n{out[-2000:]}"
+    text = "".join(out.splitlines(keepends=True)[start:])
+    result, end = json.JSONDecoder().raw_decode(text)
+    assert not text[end:].strip(), f"{script} printed more after its JSON: {text[end:][:500]!r}"
+    return result
+
+
+def has(mapping: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in mapping]
+    assert not missing, f"missing keys {missing} in {sorted(mapping)}"
+
+
+def test_bench_compaction_smoke():
+    r = run_bench("bench_compaction.py", "--context", "256", "--pool", "1024")
+    has(r, "model", "context_tokens", "keep_fraction", "prefill_s", "policies", "compacted_sessions_fit",
+        "uncompacted_sessions_fit", "sessions_ratio", "store_slots")
+    assert r["context_tokens"] == 256 and r["compacted_sessions_fit"] > r["uncompacted_sessions_fit"] > 0
+    for policy in ("gatesight", "kvzip", "keydiff"):
+        has(r["policies"][policy], "scoring_plus_compaction_frac_of_prefill", "freed_vs_theoretical", "slots", "child_s")
+
+
+def test_bench_gdn_smoke():
+    r = run_bench("bench_gdn.py", "--tokens", "256", "--serve")
+    has(r, "tokens", "gdn_layer_chunked_s", "gdn_layer_recurrent_s_estimated", "chunked_speedup_over_recurrent",
+        "server_prefill_s", "server_prefill_tokens_per_s")
+    assert r["tokens"] == 256
+
+
+def test_bench_plain_overhead_smoke():
+    r = run_bench("bench_plain_overhead.py", "--requests", "2")
+    has(r, "requests_per_arm", "none_mean_s", "none_median_s", "knorm_mean_s", "knorm_median_s",
+        "active_over_none_mean", "active_over_none_median", "active_arm_store_contexts")
+    assert r["requests_per_arm"] == 2 and r["active_arm_store_contexts"] == 1
+
+
+def test_bench_scoring_cost_smoke():
+    r = run_bench("bench_scoring_cost.py", "--contexts", "256", "--kvzip-contexts", "256")
+    has(r["gatesight"]["256"], "prefill_s", "capture_s", "signals_s", "score_select_s", "compact_s",
+        "scoring_frac_of_prefill", "scoring_plus_compaction_frac_of_prefill", "kept_entries")
+    has(r["kvzip"]["256"], "hf_prefill_s", "second_pass_s", "second_pass_frac_of_prefill")
+
+
+def test_bench_oda_smoke():
+    r = run_bench("bench_oda.py", "--lengths", "256", "--new-tokens", "4", "--repeats", "1")
+    has(r, "model", "head", "lengths", "crossover_length", "head_cost_fraction_of_local_step")
+    row = r["lengths"]["256"]
+    has(row, "full", "local_first_0", "local_first_12.5", "local_first_50", "local_first_100", "oda")
+    has(row["oda"], "per_step_s", "speedup_over_full", "flops_ratio_to_full", "full_rate")
+
+
+def test_bench_oda_quality_smoke():
+    r = run_bench("bench_oda_quality.py", "--samples", "1", "--length", "512", "--tasks", "niah_single_1")
+    has(r, "model", "length", "tasks", "arms", "full_minus_local")
+    has(r["arms"], "full", "local", "oda@0", "random@0")
+    has(r["arms"]["oda@0"], "score", "full_rate", "gap_recovered")
+
+
+def test_bench_sessions_smoke():
+    # 3 documents of ~450 tokens in a 1,024-slot pool: uncompacted they cannot all stay resident.
+    r = run_bench("bench_sessions.py", "--sessions", "3", "--questions", "2", "--length", "512", "--pool", "1024",
+                  "--clients", "2")
+    has(r, "pool_tokens", "sessions", "questions_per_session", "seed", "arms")
+    keys = ("peak_resident_sessions", "peak_pool_tokens_in_use", "questions", "questions_per_s", "context_reprefills",
+            "reprefill_rate", "latency_p50_s", "latency_p99_s", "answers_right", "parents_sent")
+    has(r["arms"]["off"], *keys)
+    has(r["arms"]["on"], *keys, "peak_store_contexts", "parents_resent", "contexts_evicted", "slots_per_context_mean")
+    for arm in r["arms"].values():
+        assert arm["questions"] == 6 and arm["parents_sent"] >= 3
+    assert r["arms"]["on"]["peak_store_contexts"] == 3 and r["arms"]["on"]["context_reprefills"] == 0
