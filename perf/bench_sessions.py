@@ -27,6 +27,10 @@ What counts, all measured from the server's answers:
     its previous request (commit, question or re-sent parent) until the start of a question that
     hit; the peak is the most such intervals open at one moment. Misses contribute nothing (when
     the document left the pool is not observable), so this is a lower bound, the same in both arms.
+    A session's first question follows its commit at once, so round 0 hits in both arms and its
+    short intervals overlap about ``--clients`` deep; documents the pool holds but evicts before
+    their next turn (round-robin over more documents than fit: LRU keeps none of them until reuse)
+    count only there. ``peak_pool_tokens_in_use`` shows how full the pool ran meanwhile.
     The ``on`` arm also reports ``peak_store_contexts``: the most compacted contexts ``/kvx/stats``
     listed at once (polled every ``--poll`` seconds), and ``contexts_evicted`` (the store's count).
     Both arms report ``peak_pool_tokens_in_use`` (pool total - free, same polls).
