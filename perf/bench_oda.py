@@ -117,7 +117,7 @@ def main() -> None:
         head_dir = str(seeded_head(path, Path(tempfile.mkdtemp()) / "head", args.sinks, args.window))
     top = max(lengths) + args.new_tokens + 64
     server = ServerProcess(path, "--kvx-decode-steps", "on", "--kvx-oda-head", head_dir, "--context-length", str(top),
-                           "--chunked-prefill-size", "8192", max_total_tokens=top + 256,
+                           "--chunked-prefill-size", "8192", max_total_tokens=2 * top + 512,  # the cached prompt never evicted
                            env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})
     span = {"sinks": args.sinks, "window": args.window}
     arms = {"full": None, **{name: {"step": "span_schedule", **span, "full_every": every} for name, every in RATES.items()},
