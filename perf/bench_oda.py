@@ -13,8 +13,8 @@ single request, greedy, under:
   - ``oda``: the recall head routing (``--head``, default the head trained for the model; with
     none, a head of the same shape with seeded random weights, labelled so: its time is the head's
     cost, its routing says nothing about quality).
-Each arm's per-step decode time is (t(N new tokens) - t(1 new token)) / (N - 1), so the prompt's
-(cached) admission and the first token cancel out. Prints one JSON object: per length and arm the
+Each arm's per-step decode time is read from a streamed response: the time between its first and
+last streamed token over the tokens between them (prefill and admission come before the first). Prints one JSON object: per length and arm the
 per-step seconds and the speedup over ``full`` (ratios measured in one run), the crossover length
 (the shortest where the 0%-rate arm beats ``full``), and the FLOPs each arm's schedule implies
 (``sglang_kvx.decode.flops``, Eqs. 24-25 of the seed: computed, not measured). Also the cost of one
@@ -50,11 +50,26 @@ def prompt(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
 
-def timed(url: str, body: dict) -> tuple[float, dict]:
+def decode_seconds_per_step(url: str, body: dict) -> tuple[float, dict]:
+    """Stream the request: seconds between its first and last streamed token over the steps between
+    them (the decode steps alone: the prompt's admission and prefill are before the first), and the
+    final chunk's body."""
+    stamps, counts, last = [], [], {}
+    with requests.post(url + "/generate", json={**body, "stream": True}, timeout=3600, stream=True) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            stamps.append(time.perf_counter())
+            counts.append(last["meta_info"]["completion_tokens"])
+    return (stamps[-1] - stamps[0]) / max(1, counts[-1] - counts[0]), last
+
+
+def timed(url: str, body: dict) -> float:
     t0 = time.perf_counter()
-    response = requests.post(url + "/generate", json=body, timeout=3600)
-    response.raise_for_status()
-    return time.perf_counter() - t0, response.json()
+    requests.post(url + "/generate", json=body, timeout=3600).raise_for_status()
+    return time.perf_counter() - t0
 
 
 def seeded_head(model_path: Path, out: Path, sinks: int, window: int) -> Path:
@@ -133,14 +148,12 @@ def main() -> None:
             for name, decode in arms.items():
                 per_step, full_rate = [], None
                 for _ in range(args.repeats):
-                    times = {}
-                    for new in (1, args.new_tokens):
-                        sampling = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
-                        if decode is not None:
-                            sampling["custom_params"] = {"kvx": {"decode": decode}}
-                        times[new], body = timed(server.url, {"input_ids": ids, "sampling_params": sampling})
-                    per_step.append((times[args.new_tokens] - times[1]) / (args.new_tokens - 1))
-                    report = (body["meta_info"].get("kvx") or [{}])[-1]
+                    sampling = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
+                    if decode is not None:
+                        sampling["custom_params"] = {"kvx": {"decode": decode}}
+                    seconds, body = decode_seconds_per_step(server.url, {"input_ids": ids, "sampling_params": sampling})
+                    per_step.append(seconds)
+                    report = (body.get("meta_info", {}).get("kvx") or [{}])[-1]
                     full_rate = report.get("full_rate", full_rate)
                 steps = args.new_tokens - 1
                 if name == "full":
