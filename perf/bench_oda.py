@@ -169,12 +169,13 @@ def main() -> None:
                 if name == "oda":
                     row[name]["full_rate"] = full_rate
             for name in arms:
-                row[name]["speedup_over_full"] = round(row["full"]["per_step_s"] / row[name]["per_step_s"], 4)
+                own = row[name]["per_step_s"]  # 0 only if the stream came in one chunk (no step between chunks)
+                row[name]["speedup_over_full"] = round(row["full"]["per_step_s"] / own, 4) if own > 0 else None
                 row[name]["flops_ratio_to_full"] = round(row[name]["flops_per_step"] / row["full"]["flops_per_step"], 4)
             result["lengths"][n] = row
     finally:
         server.stop()
-    faster = [n for n in lengths if result["lengths"][n]["local_first_0"]["speedup_over_full"] > 1.0]
+    faster = [n for n in lengths if (result["lengths"][n]["local_first_0"]["speedup_over_full"] or 0) > 1.0]
     result["crossover_length"] = min(faster) if faster else None
     costs = per_step_costs(path, Path(head_dir))
     local_step = result["lengths"][min(lengths)]["local_first_0"]["per_step_s"]
