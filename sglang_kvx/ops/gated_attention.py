@@ -1,0 +1,93 @@
+"""Gated softmax / sigmoid attention over SGLang's paged KV, with learned-gate eviction.
+
+The attention of the learned sigmoid-gate eviction family (``models/gated.py``; Li, arXiv
+2608.23296, Sec. 2.2-2.3 and 2.5). For a query at absolute position i and a cached key j with the
+previous layer's gate g_j:
+
+  z_ij = scaling * q_i . k_j + log(g_j + eps),     v_j <- g_j v_j          (the gate's two channels)
+  softmax:  A_ij = softmax_j(z_ij)
+  sigmoid:  A_ij = sigmoid(z_ij + b(i)),  b(i) = -log(i + 1)
+
+Eviction (Sec. 2.5, "physical eviction"): a row with threshold ``tau > 0`` does not read keys
+with g_j < tau, except the query's own key: an entry written by a decode step is used by that step
+and deleted after it, as in the authors' evaluation. The prefill reads every key (entries are
+deleted after it), so extend batches pass ``tau = 0``. Layer 0 has no gate (``key_gate`` None) and
+keeps every key.
+
+Shapes: q [N, Hq, D], the batch's query tokens row after row (``q_lens`` per row, the last ones
+of each row: row b's queries are its keys ``seq_len - q_len ..  seq_len - 1``); k_cache [P, Hkv, D],
+v_cache [P, Hkv, Dv]; key_gate [P] or None (the gate of each pool slot's token, from the previous
+layer); req_to_token [R, M]; rows, seq_lens, q_lens, tau [B]; q_positions [N] absolute positions
+(the sigmoid bias). Returns [N, Hq, Dv] in q's dtype; math in float32.
+
+``gated_attention`` dispatches to the Triton kernel on CUDA (and under TRITON_INTERPRET=1 when
+asked for) and to the torch reference elsewhere; the reference is the source of truth. FlashInfer's
+custom attention variants could express the sigmoid form; that seam is left to a GPU session.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KINDS = ("softmax", "sigmoid")
+_IMPLS = ("auto", "torch", "triton")
+
+
+def gated_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+    q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
+) -> torch.Tensor:
+    if kind not in KINDS:
+        raise ValueError(f"attention kind must be one of {KINDS}, got {kind!r}")
+    num_heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = q.new_empty((q.shape[0], num_heads, v_cache.shape[-1]))
+    start = 0
+    for b in range(rows.numel()):
+        n, length = int(q_lens[b]), int(seq_lens[b])
+        if n == 0:
+            continue
+        slots = req_to_token[int(rows[b]), :length].to(torch.long)
+        keys = k_cache[slots].float().repeat_interleave(num_heads // kv_heads, dim=1)  # [L, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        queries = q[start : start + n].float()
+        z = torch.einsum("nhd,lhd->hnl", queries, keys) * scaling
+        key_index = torch.arange(length, device=q.device)
+        query_index = length - n + torch.arange(n, device=q.device)
+        visible = key_index[None, :] <= query_index[:, None]  # [n, L] causal
+        if key_gate is not None:
+            g = key_gate[slots].float()
+            z = z + torch.log(g + gate_eps)
+            values = values * g[:, None, None]
+            threshold = float(tau[b])
+            if threshold > 0:
+                visible &= (g[None, :] >= threshold) | (key_index[None, :] == query_index[:, None])
+        if kind == "softmax":
+            a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        else:
+            bias = -torch.log(q_positions[start : start + n].float() + 1.0)
+            a = torch.sigmoid(z + bias[None, :, None]) * visible
+        out[start : start + n] = torch.einsum("hnl,lhd->nhd", a, values).to(q.dtype)
+        start += n
+    return out
+
+
+def gated_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+    q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """Dispatch (``SGLANG_KVX_GATED_ATTENTION_IMPL`` = auto | torch | triton overrides)."""
+    impl = impl or os.environ.get("SGLANG_KVX_GATED_ATTENTION_IMPL", "auto")
+    if impl not in _IMPLS:
+        raise ValueError(f"SGLANG_KVX_GATED_ATTENTION_IMPL must be one of {_IMPLS}, got {impl!r}")
+    if impl == "triton" or (impl == "auto" and q.is_cuda):
+        from sglang_kvx.ops.triton_gated_attention import gated_attention_triton
+
+        return gated_attention_triton(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
+                                      q_positions, tau, kind, scaling, gate_eps)
+    return gated_attention_reference(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
+                                     q_positions, tau, kind, scaling, gate_eps)
