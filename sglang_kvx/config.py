@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+GATED_MODEL_TYPE = "kvx_gated_gpt"  # models/gated.py (not imported here: it pulls in transformers)
+GATED_ATTENTION_BACKEND = "kvx_gated"  # adapter/gated_backend.py
+
+
 class KvxConfigError(ValueError):
     """A ``--kvx-*`` value that cannot be served; the message is one line for the user."""
 
@@ -50,6 +54,7 @@ class KvxConfig:
     oda_head: str = ""  # the recall head folder for On-Demand Attention ("" = none found)
     auto_context_min_tokens: int = 0  # compact repeated plain-request beginnings this long (0 = off)
     min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
+    gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (manifest ``tau``)
 
     @property
     def enabled(self) -> bool:
@@ -126,6 +131,8 @@ def traits_of_config(cfg: dict[str, Any]) -> ModelTraits:
         has_output_gate=has_gdn and model_type.startswith(("qwen3_5", "qwen3_next")),
         attention_layer_ids=attention_ids,
         gdn_layer_ids=gdn_ids,
+        gated_attention=str(text.get("attention", "")) if model_type == GATED_MODEL_TYPE else "",
+        learned_gates=model_type == GATED_MODEL_TYPE and text.get("gate") == "gate",
     )
 
 
@@ -226,6 +233,7 @@ def build_config(
     decode: str = "",
     oda_head: str = "",
     auto_context_min_tokens: str | int = 0,
+    attention_backend: str | None = None,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -259,11 +267,56 @@ def build_config(
             policy_cls.check_model(traits)
         except ValueError as exc:
             raise KvxConfigError(str(exc)) from None
+    gated = traits is not None and bool(traits.gated_attention)
+    if gated and attention_backend not in (None, GATED_ATTENTION_BACKEND):
+        raise KvxConfigError(f"{traits.architecture} ({traits.gated_attention} attention with learned gates) needs "
+                             f"--attention-backend {GATED_ATTENTION_BACKEND} (the default for it); got {attention_backend!r}")
+    if attention_backend == GATED_ATTENTION_BACKEND and traits is not None and not gated:
+        raise KvxConfigError(f"--attention-backend {GATED_ATTENTION_BACKEND} serves only the learned-gate family "
+                             f"(kvx_gated_gpt); {traits.architecture} is not one")
+    if traits is not None and traits.gated_attention and policy_cls.compacts:
+        raise KvxConfigError(f"--kvx-policy {policy}: {traits.architecture} computes its own gated attention, which "
+                             f"compaction policies cannot read yet; serve it with --kvx-decode sigmoid-gate")
     if policy_cls.compacts:
         make_policy(policy, config)  # a policy that cannot load (no estimator) fails now, not at the first request
+    if traits is not None and traits.learned_gates:
+        config = replace(config, gate_tau=read_gate_tau(model_path))
+    if config.decode:
+        config = replace(config, decode=check_decode_for_model(config, traits))
     if config.decode and json.loads(config.decode)["step"] == "oda":
         load_recall_head(config)  # no head, or one trained for another model: fail now
     return config
+
+
+def read_gate_tau(model_path: str | os.PathLike) -> float | None:
+    """A gated checkpoint's frozen threshold: ``tau`` of its manifest.json (None: not frozen yet)."""
+    manifest = Path(model_path) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    tau = json.loads(manifest.read_text()).get("tau")
+    if tau is None:
+        return None
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 <= tau < 1.0:
+        raise KvxConfigError(f"{manifest}: tau must be a number in [0, 1), got {tau!r}")
+    return float(tau)
+
+
+def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str:
+    """The server's decode step against the model: what it reads must be there; a gate step without
+    a tau takes the checkpoint's. Returns the canonical JSON, completed."""
+    from sglang_kvx.decode import DECODE_STEPS
+
+    settings = json.loads(config.decode)
+    step = DECODE_STEPS[settings["step"]]
+    if traits is not None and step.needs - traits.signals:
+        raise KvxConfigError(f"--kvx-decode {settings['step']} needs {', '.join(sorted(step.needs))}, which "
+                             f"{traits.architecture} does not provide (serve a gated checkpoint: weights/gated/*-gate)")
+    if "tau" in step.real_options and "tau" not in settings:
+        if config.gate_tau is None:
+            raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "
+                                 f"no tau; pass --kvx-decode '{{\"step\": \"{settings['step']}\", \"tau\": 0.05}}'")
+        settings["tau"] = config.gate_tau
+    return json.dumps(settings, sort_keys=True)
 
 
 def load_recall_head(config: KvxConfig):

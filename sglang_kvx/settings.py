@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kvx.allocate import allocation_names, allocation_needs, allocation_tp_problem
-from sglang_kvx.decode import DecodeSettings, parse_decode_settings
+from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, parse_decode_settings
 from sglang_kvx.policies import get_policy, servable_policy_names
 
 FIELD_PREFIX = "custom_params.kvx"
@@ -170,15 +170,29 @@ class ServerDefaults:
     min_store_fraction: float = 0.25  # share of the pool no request can evict compacted contexts from
     growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
     decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
+    gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)
 
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
     """The decode step a request runs: its own (over the server's options when it names the same
-    step), else the server's ``--kvx-decode``."""
+    step), else the server's ``--kvx-decode``; checked against what the model offers."""
     own, default = fields.decode, server.decode
     if own is None or default is None or own.step != default.step:
-        return own or default
-    return DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
+        settings = own or default
+    else:
+        settings = DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
+    if settings is None:
+        return None
+    step = DECODE_STEPS[settings.step]
+    missing = sorted(step.needs - server.model_signals)
+    if missing:
+        raise SettingsError(f"{FIELD_PREFIX}.decode.step {settings.step!r} needs {', '.join(missing)}, "
+                            f"which this model does not provide")
+    if "tau" in step.real_options and "tau" not in dict(settings.options):
+        if server.gate_tau is None:
+            raise SettingsError(f"{FIELD_PREFIX}.decode.tau is needed: this checkpoint has no frozen threshold")
+        settings = DecodeSettings(settings.step, tuple(sorted({**dict(settings.options), "tau": server.gate_tau}.items())))
+    return settings
 
 
 def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:

@@ -46,6 +46,7 @@ def load() -> None:
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", _after_get_internal_state, HookType.AFTER
     )
+    _register_gated_models()
     _register_platform_defaults()
     _register_attention_backend()
     _register_gdn_backend()
@@ -83,6 +84,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             decode=getattr(args, "kvx_decode", ""),
             oda_head=getattr(args, "kvx_oda_head", ""),
             auto_context_min_tokens=getattr(args, "kvx_auto_context_min_tokens", "0"),
+            attention_backend=getattr(args, "attention_backend", None),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
@@ -105,8 +107,15 @@ def _register_platform_defaults() -> None:
         # and then splits it like a string; name the device first.
         from sglang.srt.platforms import current_platform
 
+        from sglang_kvx.config import GATED_ATTENTION_BACKEND as KVX_GATED_ATTENTION
         from sglang_kvx.adapter.platform import KvxCpuPlatform
+        from sglang_kvx.config import model_traits
 
+        view = resolving_view(server_args)
+        if view.attention_backend is None and _is_local_dir(server_args.model_path):
+            traits = model_traits(server_args.model_path)
+            if traits is not None and traits.gated_attention:  # the learned-gate family's own attention
+                declare_resolution(server_args, "sglang_kvx:gated_model", attention_backend=KVX_GATED_ATTENTION)
         if isinstance(current_platform, KvxCpuPlatform):
             view = resolving_view(server_args)
             if view.device is None:
@@ -116,6 +125,10 @@ def _register_platform_defaults() -> None:
                 declare_resolution(server_args, "sglang_kvx:cpu_platform", attention_backend=KVX_TORCH_ATTENTION)
             _default_cpu_thread_binding(server_args)
         previous(server_args)
+
+
+def _is_local_dir(path) -> bool:
+    return bool(path) and os.path.isdir(os.path.expanduser(str(path)))
 
 
 def _default_cpu_thread_binding(server_args) -> None:
@@ -160,15 +173,35 @@ def _register_attention_backend() -> None:
     from sglang.srt.arg_groups.choices import add_attention_backend_choices
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 
+    from sglang_kvx.config import GATED_ATTENTION_BACKEND as KVX_GATED_ATTENTION
+
     if KVX_TORCH_ATTENTION in ATTENTION_BACKENDS:
         return
-    add_attention_backend_choices([KVX_TORCH_ATTENTION])
+    add_attention_backend_choices([KVX_TORCH_ATTENTION, KVX_GATED_ATTENTION])
+
+    @register_attention_backend(KVX_GATED_ATTENTION)
+    def _create_gated(runner):
+        from sglang_kvx.adapter.gated_backend import KvxGatedAttnBackend
+
+        return KvxGatedAttnBackend(runner)
 
     @register_attention_backend(KVX_TORCH_ATTENTION)
     def _create(runner):
         from sglang_kvx.adapter.attention import KvxTorchNativeAttnBackend
 
         return KvxTorchNativeAttnBackend(runner)
+
+
+def _register_gated_models() -> None:
+    """The learned-gate family: its config class with transformers (every process reads configs)
+    and, in scheduler processes, its model class with SGLang's model registry."""
+    from sglang_kvx.models.gated import register
+
+    register()
+    if multiprocessing.parent_process() is not None:
+        from sglang.srt.models.registry import ModelRegistry
+
+        ModelRegistry.register("sglang_kvx.adapter.models", overwrite=True)
 
 
 def _register_gdn_backend() -> None:

@@ -16,6 +16,7 @@ sinks and a window). A step is one short class registered by name, like a policy
                             slots freed once no layer keeps them
   live_tokens(prompt_len)   the most entries a request ever holds (None: unbounded): a bounded
                             request may generate past the pool's size
+  gate_threshold()          learned-gate eviction: keys whose gate is below it are deleted (0: none)
 
 Steps are numbered from 1: step t feeds the request's t-th output token (the prefill ran the prompt
 with full attention and produced the first). Positions count from the prompt's first token.
@@ -60,6 +61,8 @@ class DecodeStep:
     real_options: ClassVar[tuple[str, ...]] = ()  # ... and those that are real numbers
     reads_hidden: ClassVar[bool] = False  # rerun_span gets the recall head's score of each first run
     drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
+    needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
+    evicts_by_gate: ClassVar[bool] = False  # gate_threshold() deletes keys (learned-gate eviction)
 
     def span(self, step: int) -> Span:
         return FULL
@@ -69,6 +72,10 @@ class DecodeStep:
 
     def rerun_span(self, step: int, first: Span, score: float | None = None) -> Span | None:
         return None
+
+    def gate_threshold(self) -> float:
+        """Learned-gate eviction: a decode query skips keys whose gate is below this (0: none)."""
+        return 0.0
 
     def live_tokens(self, prompt_len: int) -> int | None:
         """The most KV entries a request of ``prompt_len`` prompt tokens ever holds under this step,

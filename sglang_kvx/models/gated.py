@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -196,18 +197,17 @@ def gated_attention(
     q [B, H, Tq, D]; k, v [B, H, Tk, D] (already normed and rotated);
     q_positions [B, Tq], k_positions [B, Tk] absolute positions (causality:
     key j is visible to query i iff pos_j <= pos_i); key_gate [B, Tk] the
-    previous layer's g for these keys, or None; keep [B, Tk] or [B, Tq, Tk]
-    bool, False = deleted. A is [B, H, Tq, Tk], 0 where not visible.
+    previous layer's g for these keys, or None; keep [B, Tk], [B, Tq, Tk] or
+    [B, H, Tq, Tk] bool, False = deleted. A is [B, H, Tq, Tk], 0 where not visible.
     """
     d = q.shape[-1]
     z = q @ k.transpose(-1, -2) / math.sqrt(d)  # (3)
     if key_gate is not None:  # (7): logit channel and value channel
         z = z + torch.log(key_gate + gate_eps)[:, None, None, :].to(z.dtype)
         v = v * key_gate[:, None, :, None].to(v.dtype)
-    visible = k_positions[:, None, :] <= q_positions[:, :, None]  # [B, Tq, Tk] causal
-    if keep is not None:
-        visible = visible & (keep[:, None, :] if keep.dim() == 2 else keep)
-    visible = visible[:, None]  # broadcast over heads
+    visible = (k_positions[:, None, :] <= q_positions[:, :, None])[:, None]  # [B, 1, Tq, Tk] causal
+    if keep is not None:  # [B, Tk], [B, Tq, Tk] or per head [B, H, Tq, Tk]
+        visible = visible & {2: lambda m: m[:, None, None, :], 3: lambda m: m[:, None], 4: lambda m: m}[keep.dim()](keep)
     if kind == "softmax":  # (4)
         a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1)
         a = torch.nan_to_num(a, nan=0.0)  # a query with every key deleted attends to nothing
@@ -217,6 +217,15 @@ def gated_attention(
     else:
         raise ValueError(f"unknown attention kind {kind!r}")
     return a @ v, a
+
+
+KeepFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+
+
+def _and_keep(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two keep masks of any accepted shape, as one [B, H or 1, Tq, Tk]."""
+    lift = {2: lambda m: m[:, None, None, :], 3: lambda m: m[:, None], 4: lambda m: m}
+    return lift[a.dim()](a) & lift[b.dim()](b)
 
 
 class KvxAttention(nn.Module):
@@ -243,6 +252,7 @@ class KvxAttention(nn.Module):
         positions: torch.Tensor,
         key_gate: torch.Tensor | None,
         keep: torch.Tensor | None,
+        keep_fn: KeepFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(self._heads(self.q_proj(h)))  # (1)
         k = self.k_norm(self._heads(self.k_proj(h)))
@@ -250,6 +260,10 @@ class KvxAttention(nn.Module):
         if self.config.position == "rope":  # (2)
             q = rope(q, positions, self.config.rope_theta)
             k = rope(k, positions, self.config.rope_theta)
+        if keep_fn is not None:  # an eviction rule that reads this layer's q, k and incoming gate
+            ruled = keep_fn(q, k, key_gate)
+            if ruled is not None:
+                keep = ruled if keep is None else _and_keep(keep, ruled)
         out, a = gated_attention(
             q, k, v, positions, positions, self.config.attention,
             key_gate=key_gate, keep=keep, gate_eps=self.config.gate_eps,
@@ -298,8 +312,9 @@ class KvxBlock(nn.Module):
         positions: torch.Tensor,
         key_gate: torch.Tensor | None = None,
         keep: torch.Tensor | None = None,
+        keep_fn: KeepFn | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        attn_out, a = self.attn(self.ln_1(x), positions, key_gate, keep)
+        attn_out, a = self.attn(self.ln_1(x), positions, key_gate, keep, keep_fn)
         x = x + attn_out
         x = x + self.mlp(self.ln_2(x))
         g = self.gate(x) if self.gate is not None else None  # (6), from block l's output
@@ -371,11 +386,14 @@ class KvxGatedModel(KvxGatedPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        keep_fns: list[KeepFn | None] | tuple | None = None,
     ) -> tuple[torch.Tensor, tuple, tuple | None, tuple | None]:
         """Returns (final hidden [B, T, d], gates, hidden_states, attentions).
 
         position_ids: absolute positions [B, T] (default 0..T-1), used by RoPE and b(i).
         keep_masks: one entry per layer (None = keep all), see the module docstring.
+        keep_fns: one entry per layer (None = no rule): ``fn(q, k, key_gate)`` -> a keep mask, for
+        eviction rules that depend on what the forward computes (gates, keys, attention).
         attention_mask: HF-style [B, T] 1/0 over keys, applied in every layer.
         """
         b, t = input_ids.shape
@@ -393,7 +411,8 @@ class KvxGatedModel(KvxGatedPreTrainedModel):
             if attention_mask is not None:
                 pad_keep = attention_mask.bool()
                 keep = pad_keep if keep is None else (keep & (pad_keep if keep.dim() == 2 else pad_keep[:, None, :]))
-            x, g, a = layer(x, position_ids, key_gate=prev_gate, keep=keep)
+            keep_fn = keep_fns[i] if keep_fns is not None else None
+            x, g, a = layer(x, position_ids, key_gate=prev_gate, keep=keep, keep_fn=keep_fn)
             if g is not None:
                 gates.append(g)
             prev_gate = g
@@ -437,12 +456,13 @@ class KvxGatedForCausalLM(KvxGatedPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         output_attentions: bool = False,
+        keep_fns: list[KeepFn | None] | tuple | None = None,
         **kwargs,
     ) -> KvxGatedOutput:
         """labels: HF convention (same shape as input_ids, shifted inside, -100 ignored)."""
         h, gates, hiddens, attns = self.model(
             input_ids, position_ids=position_ids, keep_masks=keep_masks, attention_mask=attention_mask,
-            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, output_attentions=output_attentions, keep_fns=keep_fns,
         )
         logits = self.lm_head(h)
         # (8): mean over the L-1 gate layers and all tokens (equal T per layer, so the

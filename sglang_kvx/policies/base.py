@@ -27,9 +27,14 @@ class ModelTraits:
     has_output_gate: bool  # gated full attention (Qwen3.5 / Qwen3-Next)
     attention_layer_ids: tuple[int, ...] = ()  # model layer index of each full-attention layer
     gdn_layer_ids: tuple[int, ...] = ()  # model layer index of each GDN layer
+    gated_attention: str = ""  # "softmax" | "sigmoid": the learned-gate family, which computes its own attention
+    learned_gates: bool = False  # ... and its layers write a gate with every entry ("learned_gates")
 
     @property
     def signals(self) -> frozenset[str]:
+        if self.gated_attention:
+            # Its attention runs in its own op, not SGLang's backends: none of the signals recorded there.
+            return frozenset({"learned_gates"} if self.learned_gates else ())
         # "queries": the context's own query statistics (TriAttention); "reconstruction": KVzip's
         # second, context-repeating pass. Any attention model can produce both.
         signals = {"keys", "values", "attention", "queries", "reconstruction"}

@@ -49,6 +49,7 @@ class DecodeRow:
     failed: bool = False  # its step raised: the request is aborted, nothing of the step runs again
     prev_hidden: torch.Tensor | None = None  # the last committed final hidden state (steps reading hidden)
     full_steps: int = 0  # steps re-run with full attention
+    gate_deleted: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (prefill, decode, live)
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -73,12 +74,20 @@ class DecodeRunner:
         self.full_steps = 0
         self.failures = 0
         self.last_error: str | None = None
+        # Learned-gate eviction, over finished requests: entries deleted after the prefill and during
+        # decode, per attention layer, and what they held.
+        self.gate_deleted_prefill = [0] * pool.num_layers
+        self.gate_deleted_decode = [0] * pool.num_layers
+        self.gate_rows = 0
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
     def admit(self, row: int, settings: DecodeSettings, request: Request) -> None:
-        if row not in self.rows:
+        """A request enters its row (again for each prefill chunk: its state is kept). A state left
+        by another request -- one that ended without running a decode step -- is replaced."""
+        state = self.rows.get(row)
+        if state is None or state.request.rid != request.rid:
             self.rows[row] = DecodeRow(step=settings.build(), request=request, num_layers=self.pool.num_layers)
 
     # --- one decode forward ------------------------------------------------------------
@@ -154,10 +163,43 @@ class DecodeRunner:
         for i in self.routed(rows):
             self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
 
+    def gate_thresholds(self, rows: list[int]) -> list[float | None]:
+        """Each row's learned-gate threshold (None for rows without such a step, or whose step failed)."""
+        taus = []
+        for row in rows:
+            state = self._live(row)
+            taus.append(state.step.gate_threshold() if state is not None and state.step.evicts_by_gate else None)
+        return taus
+
+    def record_gate_deletions(self, row: int, layer: int, below: torch.Tensor) -> None:
+        """After a decode step's attention in attention layer ``layer``: ``below`` marks the row's keys (the current one
+        last, used by this step) whose gate is under the row's threshold: deleted entries."""
+        state = self._live(row)
+        if state is None:
+            return
+        prompt_len = len(state.request.input_ids)
+        prefill = int(below[:prompt_len].sum())
+        state.gate_deleted[layer] = (prefill, int(below.sum()) - prefill, below.numel() - int(below.sum()))
+
+    def gate_summary(self, state: DecodeRow) -> dict | None:
+        if not state.gate_deleted:
+            return None
+        layers = sorted(state.gate_deleted)
+        prefill = sum(state.gate_deleted[layer][0] for layer in layers)
+        decode = sum(state.gate_deleted[layer][1] for layer in layers)
+        return {"decode": state.step.name, "tau": state.step.gate_threshold(),
+                "live_entries_per_layer": {str(layer): state.gate_deleted[layer][2] for layer in layers},
+                "deleted_at_prefill": prefill, "deleted_at_decode": decode,
+                "deleted_bytes": (prefill + decode) * self.pool.bytes_per_entry}
+
     def summary(self, row: int) -> dict | None:
         """What a routed row's step did (for its response and /kvx/stats); None for other rows."""
         state = self.rows.get(row)
-        if state is None or not state.step.reads_hidden:
+        if state is None:
+            return None
+        if state.gate_deleted:
+            return self.gate_summary(state)
+        if not state.step.reads_hidden:
             return None
         routed = state.steps
         return {"decode": state.step.name, "routed_steps": routed, "full_steps": state.full_steps,
@@ -238,6 +280,11 @@ class DecodeRunner:
         return the new owned start for SGLang (nothing left for it to free), or None when the row
         ran no decode step that freed anything (SGLang frees as usual)."""
         state = self.rows.pop(row, None)
+        if state is not None and state.gate_deleted:
+            self.gate_rows += 1
+            for index, (prefill, decode, _live) in state.gate_deleted.items():
+                self.gate_deleted_prefill[index] += prefill
+                self.gate_deleted_decode[index] += decode
         if state is None or state.freed[1] <= state.freed[0]:
             return None
         owned_from = state.request.owned_from

@@ -195,7 +195,9 @@ class Runtime:
         if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
             summary = self.decode.summary(request.row)
             if summary is not None:
-                state.outcome = {**(state.outcome or {}), **summary, **self._flops(request, self.decode.rows[request.row].step)}
+                step = self.decode.rows[request.row].step
+                flops = self._flops(request, step) if step.reads_hidden else {}
+                state.outcome = {**(state.outcome or {}), **summary, **flops}
             # Slots a decode step freed already: SGLang must not free them again.
             owned_len = self.decode.release(request.row, request.owned_len)
             if owned_len is not None:
@@ -329,6 +331,9 @@ class Runtime:
             "oda_full_steps": self.decode.full_steps,
             "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
             "decode_step_failures": self.decode.failures,
+            "gate_eviction_requests": self.decode.gate_rows,  # finished requests that ran learned-gate eviction
+            "gate_deleted_bytes": (sum(self.decode.gate_deleted_prefill) + sum(self.decode.gate_deleted_decode))
+            * self.pool.bytes_per_entry,
             "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
             "auto_contexts_queued": self.auto_contexts,
         }
@@ -339,7 +344,11 @@ class Runtime:
             "compacted_contexts": [c.summary() for c in contexts],
             **self.counts(),
             "last_compaction_error": self.errors[-1] if self.errors else None,
-            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None],
+            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
+                             and "routed_steps" in s],
+            # Learned-gate eviction: per attention layer, entries deleted after the prefill and during decode.
+            "gate_deleted_per_layer": [{"prefill": p, "decode": d} for p, d in
+                                       zip(self.decode.gate_deleted_prefill, self.decode.gate_deleted_decode)],
             "last_decode_step_error": self.decode.last_error,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],

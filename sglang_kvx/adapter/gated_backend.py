@@ -1,0 +1,83 @@
+"""``kvx_gated``: the attention backend of the learned-gate model family (``models/gated.py``).
+
+The family's attention is not SGLang's softmax: sigmoid cells add b(i) = -log(i + 1), and every
+layer past the first scales each key's logit and value by the gate its previous layer wrote with
+it (``ops/gated_attention.py``). This backend, registered with SGLang's attention registry, keeps
+SGLang's torch-native metadata, writes K/V into SGLang's pool as usual, keeps each slot's gate
+beside the pool (one float per slot and layer, ``gates``), and computes attention with the op.
+
+Eviction: a decode row whose step has a gate threshold (``sigmoid-gate``) reads only keys with
+g >= tau, plus its own. What each row has deleted is reported to its decode state per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sglang_kvx.adapter.forward import link_of
+from sglang_kvx.ops.gated_attention import gated_attention
+
+from sglang_kvx.config import GATED_ATTENTION_BACKEND as KVX_GATED_ATTENTION
+
+
+class KvxGatedAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, model_runner) -> None:
+        super().__init__(model_runner)
+        pool = self.token_to_kv_pool
+        num_layers = model_runner.model_config.num_hidden_layers
+        num_slots = pool.get_key_buffer(0).shape[0]
+        # The gate of each slot's token as written into layer l (rows of layers without a gate stay unused).
+        self.gates = torch.ones((num_layers, num_slots), dtype=torch.float32, device=pool.get_key_buffer(0).device)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, key_gate=None, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, key_gate, decode=False, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, key_gate=None, **kwargs):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, key_gate, decode=True, **kwargs)
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, key_gate, decode: bool, **kwargs):
+        unsupported = sorted(name for name, value in kwargs.items() if value is not None)
+        if unsupported:
+            raise NotImplementedError(f"kvx_gated attention with attention options {unsupported}")
+        kind = getattr(layer, "kvx_attention_kind", None)
+        if kind is None:
+            raise NotImplementedError("the kvx_gated attention backend serves only the learned-gate model family (kvx_gated_gpt)")
+        pool = self.token_to_kv_pool
+        loc = forward_batch.out_cache_loc
+        if save_kv_cache:
+            pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+        gates = None
+        if key_gate is not None:
+            self.gates[layer.layer_id, loc] = key_gate.float()
+            gates = self.gates[layer.layer_id]
+        rows = forward_batch.req_pool_indices
+        batch = rows.numel()
+        q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
+        tau = torch.zeros(batch, dtype=torch.float32)
+        if decode and gates is not None:
+            tau = self._thresholds(forward_batch, layer.layer_id, gates)
+        num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        out = gated_attention(
+            q.reshape(-1, num_heads, head_dim), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            gates, self.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens,
+            forward_batch.positions, tau, kind, layer.scaling,
+        )
+        return out.reshape(-1, num_heads * layer.v_head_dim)
+
+    def _thresholds(self, forward_batch, layer_id: int, gates: torch.Tensor) -> torch.Tensor:
+        """Each decode row's tau (0: keeps all), and what it deletes in this layer reported to its state."""
+        link = link_of(self)
+        if link is None or not link.runtime.decode:
+            return torch.zeros(forward_batch.req_pool_indices.numel(), dtype=torch.float32)
+        batch = link.batch(forward_batch)
+        decode = link.runtime.decode
+        taus = decode.gate_thresholds(batch.rows)
+        req_to_token = self.req_to_token_pool.req_to_token
+        layer = link.runtime.compactor.layer_index[layer_id]
+        for row, seq_len, tau in zip(batch.rows, batch.seq_lens, taus):
+            if tau is not None:
+                below = gates[req_to_token[row, :seq_len].long()] < tau
+                decode.record_gate_deletions(row, layer, below.cpu())
+        return torch.tensor([tau or 0.0 for tau in taus], dtype=torch.float32)

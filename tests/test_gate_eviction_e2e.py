@@ -1,0 +1,139 @@
+"""Learned-gate eviction served by SGLang (``--kvx-decode sigmoid-gate``) against the HF oracle.
+
+A real SGLang server per gated cell (sigmoid + RoPE, softmax + NoPE: both attention kinds and both
+position treatments) serves the checkpoint through SGLang's model registry and the ``kvx_gated``
+attention backend. The oracle is the transformers model applying the paper's rule
+(``reference/gated.py: gate_rule``) in one teacher-forced forward over the prompt and the server's
+tokens: every greedy token must be its argmax, and every log-probability within 1e-4 (float32),
+after the prefill and through 128 decode steps. Bad flags fail before the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_kvx.models.gated import KvxGatedForCausalLM, register
+from sglang_kvx.reference.gated import gate_rule, live_entries
+from sglang_kvx.serve.launcher import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = ("sigmoid-rope-gate", "softmax-nope-gate")
+SERVER_TAU = 0.05
+PROMPT_LEN, NEW_TOKENS = 200, 128
+
+
+def cell_path(cell: str) -> str:
+    return str(ROOT / "weights" / "gated" / cell)
+
+
+def split_prompt(cell: str, length: int = PROMPT_LEN) -> list[int]:
+    """Real text of the checkpoint's test split (its manifest names the documents), tokenised by its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from sglang_kvx.training.train_gated import load_documents
+
+    manifest = json.loads((Path(cell_path(cell)) / "manifest.json").read_text())
+    docs, _ = load_documents(manifest["args"]["sources"].split(","), manifest["args"]["doc_chars"])
+    text = {d["id"]: d["text"] for d in docs}[manifest["split"]["test"][0]]
+    ids = AutoTokenizer.from_pretrained(cell_path(cell)).encode(text, add_special_tokens=False)
+    assert len(ids) >= length
+    return ids[:length]
+
+
+@pytest.fixture(scope="module", params=CELLS)
+def gated_server(request):
+    cell = request.param
+    server = ServerProcess(cell_path(cell), "--dtype", "float32",
+                           "--kvx-decode", json.dumps({"step": "sigmoid-gate", "tau": SERVER_TAU}), max_total_tokens=4096)
+    server.start()
+    register()
+    model = KvxGatedForCausalLM.from_pretrained(cell_path(cell), dtype=torch.float32).eval()
+    yield cell, server, model
+    server.stop()
+
+
+def generate(server: ServerProcess, ids: list[int], decode: dict | None = None) -> dict:
+    payload = {"input_ids": ids, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+    if decode is not None:
+        payload["sampling_params"]["custom_params"] = {"kvx": {"decode": decode}}
+    response = server.generate(payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@torch.no_grad()
+def oracle(model: KvxGatedForCausalLM, prompt: list[int], output: list[int], tau: float):
+    """Log-probabilities of every next token after the prefill and each decode step, and the gates."""
+    ids = torch.tensor([prompt + output[:-1]])
+    rules = [gate_rule(tau, len(prompt))] * model.config.num_hidden_layers
+    out = model(ids, keep_fns=rules)
+    logprobs = torch.log_softmax(out.logits[0, len(prompt) - 1 :].float(), dim=-1)
+    return logprobs, out.gates
+
+
+@pytest.mark.parametrize("tau", [None, 0.2, 0.0])  # None: the server's --kvx-decode tau
+def test_served_tokens_and_logprobs_match_the_oracle(gated_server, tau) -> None:
+    cell, server, model = gated_server
+    prompt = split_prompt(cell)
+    decode = {"step": "sigmoid-gate"} if tau is None else {"step": "sigmoid-gate", "tau": tau}
+    result = generate(server, prompt, decode)
+    tau = SERVER_TAU if tau is None else tau
+    output = result["output_ids"]
+    served = torch.tensor([lp[0] for lp in result["meta_info"]["output_token_logprobs"]])
+    assert len(output) == NEW_TOKENS
+    logprobs, gates = oracle(model, prompt, output, tau)
+    assert logprobs.argmax(-1).tolist() == output  # greedy tokens
+    want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
+    assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
+    # What the server says it deleted is what the rule deletes: per layer, the keys cached at the last step.
+    report = result["meta_info"]["kvx"][0]
+    assert report["decode"] == "sigmoid-gate" and report["tau"] == tau
+    cached = len(prompt) + NEW_TOKENS - 1
+    live = {str(l + 1): int((g[0, :cached] >= tau).sum()) for l, g in enumerate(gates)}
+    assert report["live_entries_per_layer"] == live
+    deleted = sum(cached - n for n in live.values())
+    assert report["deleted_at_prefill"] + report["deleted_at_decode"] == deleted
+    assert report["deleted_at_prefill"] == sum(int((g[0, : len(prompt)] < tau).sum()) for g in gates)
+    assert live_entries(gates, tau, cached) == cached + sum(live.values())
+    if tau > 0:
+        assert deleted > 0  # the rule bites at this tau on these checkpoints
+
+
+def test_eviction_changes_what_is_generated(gated_server) -> None:
+    """The deletions reach attention: a high threshold gives other log-probabilities than none
+    (and the oracle above agrees with each)."""
+    cell, server, _ = gated_server
+    prompt = split_prompt(cell)
+    none = generate(server, prompt, {"step": "sigmoid-gate", "tau": 0.0})["meta_info"]["output_token_logprobs"]
+    high = generate(server, prompt, {"step": "sigmoid-gate", "tau": 0.5})["meta_info"]["output_token_logprobs"]
+    assert [lp[0] for lp in none] != [lp[0] for lp in high]
+
+
+@pytest.mark.parametrize("decode,message", [
+    ({"step": "sigmoid-gate", "tau": 1.0}, "tau must be in [0, 1)"),
+    ({"step": "sigmoid-gate", "tau": -0.1}, "tau must be in [0, 1)"),
+    ({"step": "sigmoid-gate", "tau": "high"}, "custom_params.kvx.decode.tau must be a finite number"),
+])
+def test_bad_thresholds_are_refused_and_the_server_keeps_serving(gated_server, decode, message) -> None:
+    cell, server, _ = gated_server
+    payload = {"input_ids": split_prompt(cell, 20),
+               "sampling_params": {"max_new_tokens": 2, "custom_params": {"kvx": {"decode": decode}}}}
+    response = server.generate(payload)
+    assert response.status_code == 400 and message in response.text, response.text
+    assert generate(server, split_prompt(cell, 20))["meta_info"]["completion_tokens"] == NEW_TOKENS
+
+
+def test_stats_report_gate_deletions(gated_server) -> None:
+    cell, server, _ = gated_server
+    generate(server, split_prompt(cell, 50), {"step": "sigmoid-gate", "tau": 0.3})
+    stats = server.stats()
+    assert stats["gate_eviction_requests"] >= 1
+    layers = stats["gate_deleted_per_layer"]
+    assert len(layers) == 4 and layers[0] == {"prefill": 0, "decode": 0}  # layer 0 has no gate
+    assert sum(layer["prefill"] + layer["decode"] for layer in layers) > 0
+    assert stats["gate_deleted_bytes"] == sum(l["prefill"] + l["decode"] for l in layers) * 2 * 128 * 4
