@@ -48,3 +48,58 @@ def test_launcher_help_lists_the_kvx_flags():
     result = launch("--help")
     assert result.returncode == 0
     assert "--kvx-policy" in result.stdout and "--kvx-keep-fraction" in result.stdout
+
+
+GATED = "weights/gated"
+
+
+def _gated(cell: str) -> str:
+    from pathlib import Path
+
+    return str(Path(__file__).resolve().parents[1] / GATED / cell)
+
+
+@pytest.mark.parametrize(
+    "cell,flags,expected",
+    [
+        ("sigmoid-rope-none", ("--kvx-decode", "sigmoid-gate"),
+         "--kvx-decode sigmoid-gate needs learned_gates, which KvxGatedForCausalLM does not provide "
+         "(serve a gated checkpoint: weights/gated/*-gate)"),
+        ("sigmoid-rope-gate", ("--kvx-decode", '{"step": "sigmoid-gate", "tau": 1.5}'),
+         "--kvx-decode: tau must be in [0, 1), got 1.5"),
+        ("sigmoid-rope-gate", ("--attention-backend", "torch_native", "--kvx-decode", "sigmoid-gate"),
+         "KvxGatedForCausalLM (sigmoid attention with learned gates) needs --attention-backend kvx_gated "
+         "(the default for it); got 'torch_native'"),
+        ("sigmoid-rope-gate", ("--kvx-policy", "snapkv"),
+         "--kvx-policy snapkv needs attention, keys, which KvxGatedForCausalLM does not provide"),
+    ],
+)
+def test_gated_models_refuse_what_they_cannot_serve(cell, flags, expected):
+    result = launch("--model-path", _gated(cell), "--max-total-tokens", "1024", *flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert our_error_lines(result.stderr) == [f"sglang-kvx: error: {expected}"]
+    assert "Load weight" not in result.stdout + result.stderr
+
+
+def test_the_gated_backend_refuses_other_models(demo_paths):
+    result = launch("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--attention-backend", "kvx_gated")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert our_error_lines(result.stderr) == [
+        "sglang-kvx: error: --attention-backend kvx_gated serves only the learned-gate family (kvx_gated_gpt); "
+        "LlamaForCausalLM is not one"]
+
+
+def test_a_gate_step_without_a_frozen_threshold_is_refused(tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "unfrozen"
+    shutil.copytree(_gated("sigmoid-rope-gate"), model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["tau"] = None
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    result = launch("--model-path", str(model), "--max-total-tokens", "1024", "--kvx-decode", "sigmoid-gate")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert our_error_lines(result.stderr) == [
+        "sglang-kvx: error: --kvx-decode sigmoid-gate needs a threshold: the checkpoint's manifest.json has no tau; "
+        "pass --kvx-decode '{\"step\": \"sigmoid-gate\", \"tau\": 0.05}'"]
