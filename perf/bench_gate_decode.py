@@ -1,0 +1,128 @@
+"""Learned-gate eviction served: decode-step cost and live KV during a long generation (issue 15).
+
+    OMP_NUM_THREADS=1 python perf/bench_gate_decode.py [--cell sigmoid-nope-gate] [--prompt 384]
+        [--new-tokens 2048] [--repeats 3] [--tau TAU]
+
+One real server (``--kvx-decode-steps on``, the ``kvx_gated`` backend, context stretched to fit the
+generation) serving one gated cell. A real-text prompt from the cell's test split, greedy, generated
+under three arms, interleaved over ``--repeats``:
+  - ``plain``: no decode step;
+  - ``gate_tau0``: the ``sigmoid-gate`` step at tau = 0 (its bookkeeping, nothing deleted);
+  - ``gate``: the step at ``--tau`` (default: the checkpoint's frozen tau*).
+Per-step decode time comes from the streamed response (first to last token over the tokens between).
+Memory: the request's own report (live entries per layer after the last step; deleted entries), the
+pool's used KV bytes sampled from ``/kvx/stats`` during the generation (physical: what the pool
+holds), and the logical live bytes the deletions leave, against the theoretical (1 - deletion rate).
+Prints one JSON object; ratios are measured in one run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+from sglang_kvx.config import read_gate_tau
+from sglang_kvx.eval.gate_eviction import split_windows
+from sglang_kvx.serve.launcher import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def stream(url: str, body: dict) -> tuple[float, dict, int]:
+    """Seconds per decode step (first to last streamed token), the last chunk, and the most KV bytes
+    the pool held while it ran (sampled every 0.2 s)."""
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], requests.get(url + "/kvx/stats", timeout=10).json()["kv_bytes_used"])
+            except requests.RequestException:
+                pass
+            done.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stamps, counts, last = [], [], {}
+    try:
+        with requests.post(url + "/generate", json={**body, "stream": True}, timeout=3600, stream=True) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                last = json.loads(line[5:])
+                stamps.append(time.perf_counter())
+                counts.append(last["meta_info"]["completion_tokens"])
+    finally:
+        done.set()
+        sampler.join()
+    return (stamps[-1] - stamps[0]) / max(1, counts[-1] - counts[0]), last, peak[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cell", default="sigmoid-nope-gate", help="a gated cell under weights/gated (default: sigmoid-nope-gate)")
+    parser.add_argument("--prompt", type=int, default=384, help="prompt tokens (default: 384)")
+    parser.add_argument("--new-tokens", type=int, default=2048, help="tokens generated per request (default: 2048)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three arms (default: 3)")
+    parser.add_argument("--tau", type=float, default=None, help="threshold of the 'gate' arm (default: the checkpoint's tau*)")
+    args = parser.parse_args()
+    path = ROOT / "weights" / "gated" / args.cell
+    tau = args.tau if args.tau is not None else read_gate_tau(path)
+    if tau is None:
+        raise SystemExit(f"{path} has no frozen tau; pass --tau or run perf/bench_gate_eviction.py --write-tau")
+    prompt = split_windows(path, "test", length=args.prompt, limit=1)[0].tolist()
+    context = args.prompt + args.new_tokens + 8
+    arms = {"plain": None, "gate_tau0": {"step": "sigmoid-gate", "tau": 0.0}, "gate": {"step": "sigmoid-gate", "tau": tau}}
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    reports, peaks = {}, {}
+    with ServerProcess(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
+                       max_total_tokens=2 * context, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as server:
+        for _ in range(args.repeats):
+            for arm, decode in arms.items():
+                server.flush()
+                sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+                if decode is not None:
+                    sampling["custom_params"] = {"kvx": {"decode": decode}}
+                seconds, last, peak = stream(server.url, {"input_ids": prompt, "sampling_params": sampling})
+                times[arm].append(seconds)
+                reports[arm] = (last["meta_info"].get("kvx") or [None])[-1]
+                peaks[arm] = max(peaks.get(arm, 0), peak)
+        bytes_per_entry = server.stats()["kv_bytes_total"] // (2 * context)  # all layers, one position
+    layers = 4
+    cached = args.prompt + args.new_tokens - 1
+    report = reports["gate"]
+    live_entries = cached + sum(report["live_entries_per_layer"].values())  # layer 0 keeps all
+    deletion_rate = 1 - live_entries / (cached * layers)
+    median = {arm: statistics.median(values) for arm, values in times.items()}
+    result = {
+        "cell": args.cell, "tau": tau, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "decode_seconds_per_step": median, "all_runs": times,
+        "gate_vs_plain": median["gate"] / median["plain"], "gate_vs_tau0": median["gate"] / median["gate_tau0"],
+        "tau0_vs_plain": median["gate_tau0"] / median["plain"],
+        "gate_report": report,
+        "memory": {
+            "pool_bytes_peak": peaks,  # physical: the pool's used KV bytes while the request ran
+            "logical_live_bytes": {"plain": cached * bytes_per_entry, "gate": live_entries * bytes_per_entry // layers},
+            "deletion_rate": deletion_rate,
+            "theoretical_live_fraction": 1 - deletion_rate,
+            "note": "deleted entries leave attention at once; their cells are not yet returned to the pool "
+                    "(per-layer re-folding is not built), so the pool's bytes match the plain arm",
+        },
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
