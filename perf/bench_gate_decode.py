@@ -27,10 +27,10 @@ import argparse
 import json
 import statistics
 import threading
-import time
 from pathlib import Path
 
 import requests
+from bench_oda import decode_seconds_per_step  # perf/ is on the path when run as a script
 
 from sglang_kvx.config import read_gate_tau
 from sglang_kvx.eval.gate_eviction import split_windows
@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def stream(url: str, body: dict) -> tuple[float, dict, int]:
-    """Seconds per decode step (first to last streamed token), the last chunk, and the most KV bytes
-    the pool held while it ran (sampled every 0.2 s)."""
+    """Seconds per decode step and the last chunk (``bench_oda``'s streamed timing), and the most KV
+    bytes the pool held while the request ran (sampled every 0.2 s)."""
     peak, done = [0], threading.Event()
 
     def sample() -> None:
@@ -54,20 +54,12 @@ def stream(url: str, body: dict) -> tuple[float, dict, int]:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    stamps, counts, last = [], [], {}
     try:
-        with requests.post(url + "/generate", json={**body, "stream": True}, timeout=3600, stream=True) as response:
-            response.raise_for_status()
-            for line in response.iter_lines():
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                last = json.loads(line[5:])
-                stamps.append(time.perf_counter())
-                counts.append(last["meta_info"]["completion_tokens"])
+        seconds, last = decode_seconds_per_step(url, body)
     finally:
         done.set()
         sampler.join()
-    return (stamps[-1] - stamps[0]) / max(1, counts[-1] - counts[0]), last, peak[0]
+    return seconds, last, peak[0]
 
 
 def main() -> None:
