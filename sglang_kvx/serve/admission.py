@@ -66,7 +66,7 @@ class Admission:
         if state is None:
             try:
                 fields = request_fields_of(request.custom_params)
-                decode = None if request.max_new_tokens == 0 else resolve_decode(fields, self.defaults)
+                decode = resolve_decode(fields, self.defaults)  # checked against the model even where unused
             except SettingsError as exc:
                 request.abort(f"sglang_kvx: {exc}")
                 return None
@@ -77,7 +77,7 @@ class Admission:
                 parent = False
             # Without a policy (a decode-steps-only server) a request is a parent only by naming one.
             parent = parent and (fields.policy is not None or get_policy(self.defaults.policy).compacts)
-            decode = None if parent else decode
+            decode = None if parent or request.max_new_tokens == 0 else decode
             state = request.state = RequestState(fields=fields, parent=parent, decode=decode)
         return state
 
