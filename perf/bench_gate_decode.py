@@ -109,8 +109,9 @@ def main() -> None:
             "logical_live_bytes": {"plain": cached * bytes_per_entry, "gate": live_entries * bytes_per_entry // layers},
             "deletion_rate": deletion_rate,
             "theoretical_live_fraction": 1 - deletion_rate,
-            "note": "deleted entries leave attention at once; their cells are not yet returned to the pool "
-                    "(per-layer re-folding is not built), so the pool's bytes match the plain arm",
+            "note": "deleted entries leave attention at once; every 64 decode steps the row's own stretch is "
+                    "re-folded and the cells its deleted entries held go back to the pool; the prompt's entries stay "
+                    "where the prefix cache holds them (shared), and up to 64 steps' entries wait for the next fold",
         },
     }
     print(json.dumps(result, indent=2))

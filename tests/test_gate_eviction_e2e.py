@@ -102,6 +102,11 @@ def test_served_tokens_and_logprobs_match_the_oracle(gated_server, tau) -> None:
     assert live_entries(gates, tau, cached) == cached + sum(live.values())
     if tau > 0:
         assert deleted > 0  # the rule bites at this tau on these checkpoints
+        # Re-folded at step 64: the generated stretch's deleted entries went back to the pool, and the
+        # answer above (after the fold, read from the fold's cells) is still the oracle's.
+        assert report["folds"] == 1 and report["freed_bytes"] > 0
+    else:
+        assert report["folds"] == 0 and report["freed_bytes"] == 0
 
 
 def test_eviction_changes_what_is_generated(gated_server) -> None:
@@ -128,10 +133,14 @@ def test_bad_thresholds_are_refused_and_the_server_keeps_serving(gated_server, d
     assert generate(server, split_prompt(cell, 20))["meta_info"]["completion_tokens"] == NEW_TOKENS
 
 
-def test_stats_report_gate_deletions(gated_server) -> None:
+def test_stats_report_gate_deletions_and_the_pool_balances(gated_server) -> None:
     cell, server, _ = gated_server
     generate(server, split_prompt(cell, 50), {"step": "sigmoid-gate", "tau": 0.3})
     stats = server.stats()
+    assert stats["gate_folds"] >= 1 and stats["gate_freed_bytes"] > 0
+    server.flush()
+    idle = server.stats()
+    assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]  # nothing leaked
     assert stats["gate_eviction_requests"] >= 1
     layers = stats["gate_deleted_per_layer"]
     assert len(layers) == 4 and layers[0] == {"prefill": 0, "decode": 0}  # layer 0 has no gate

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sglang_kvx.models.gated import gated_attention as dense_gated_attention
-from sglang_kvx.ops.gated_attention import gated_attention, gated_attention_reference
+from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention, gated_attention_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,12 +118,56 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter() -> None:
         "        got = gated_attention(**case, impl='triton')\n"
         "        small = gated_attention_triton(**case, block_n=4)\n"
         "        print(kind, gated, decode, float((got - want).abs().max()), float((small - want).abs().max()))\n"
+        "    from test_ops_gated_attention import fold\n"
+        "    case = random_case(6, kind, True, decode=True, tau=0.4)\n"
+        "    moved, folded = fold(case, drop_below=0.4)\n"
+        "    want = gated_attention(**moved, folded=folded, impl='torch')\n"
+        "    got = gated_attention(**moved, folded=folded, impl='triton')\n"
+        "    small = gated_attention_triton(**moved, folded=folded, block_n=4)\n"
+        "    print(kind, 'folded', 'decode', float((got - want).abs().max()), float((small - want).abs().max()))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 6, result.stdout
+    assert len(lines) == 8, result.stdout
     for line in lines:
         *_, err, err_small = line.split()
         assert float(err) < 1e-4 and float(err_small) < 1e-4, line
+
+
+def fold(case: dict, drop_below: float | None = None) -> tuple[dict, FoldedKeys]:
+    """Move each decode row's keys [2, seq_len - 3) out of the row into extra cells (dropping those
+    with g < drop_below), and point the row's cells there at garbage (they must not be read)."""
+    hidden_from, hidden_to, keys, values, gates, indptr = [], [], [], [], [], [0]
+    k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+    for b in range(case["rows"].numel()):
+        length = int(case["seq_lens"][b])
+        lo, hi = (2, length - 3) if length > 6 else (0, 0)
+        slots = case["req_to_token"][case["rows"][b], lo:hi].long()
+        if drop_below is not None and case["key_gate"] is not None:
+            slots = slots[case["key_gate"][slots] >= drop_below]
+        keys.append(k_cache[slots].clone())
+        values.append(v_cache[slots].clone())
+        gates.append(case["key_gate"][slots].clone() if case["key_gate"] is not None else torch.empty(0))
+        hidden_from.append(lo)
+        hidden_to.append(hi)
+        indptr.append(indptr[-1] + slots.numel())
+        moved = case["req_to_token"][case["rows"][b], lo:hi].long()
+        k_cache[moved] = 1e3  # freed cells another request overwrote
+        v_cache[moved] = -1e3
+    folded = FoldedKeys(torch.tensor(hidden_from), torch.tensor(hidden_to), torch.cat(keys), torch.cat(values),
+                        torch.cat(gates) if case["key_gate"] is not None else None, torch.tensor(indptr))
+    return {**case, "k_cache": k_cache, "v_cache": v_cache}, folded
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_folded_row_reads_its_moved_keys_as_the_unfolded_row(kind, gated) -> None:
+    case = random_case(5, kind, gated, decode=True, tau=0.4)
+    want = gated_attention_reference(**case)
+    moved, folded = fold(case)
+    assert torch.allclose(gated_attention_reference(**moved, folded=folded), want, atol=1e-5)
+    if gated:  # folding only the kept keys is the same again: the rule deletes the others anyway
+        moved, folded = fold(case, drop_below=0.4)
+        assert torch.allclose(gated_attention_reference(**moved, folded=folded), want, atol=1e-5)

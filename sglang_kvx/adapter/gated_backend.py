@@ -7,7 +7,9 @@ SGLang's torch-native metadata, writes K/V into SGLang's pool as usual, keeps ea
 beside the pool (one float per slot and layer, ``gates``), and computes attention with the op.
 
 Eviction: a decode row whose step has a gate threshold (``sigmoid-gate``) reads only keys with
-g >= tau, plus its own. What each row has deleted is reported to its decode state per step.
+g >= tau, plus its own. What each row has deleted is reported to its decode state per step. A row
+re-folded by its decode state (``compact/gate_fold.py``, every 64 steps) reads its folded stretch from
+the fold's cells, whatever buffer they sit in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_kvx.adapter.forward import link_of
-from sglang_kvx.ops.gated_attention import gated_attention
+from sglang_kvx.compact.gate_fold import read_folded
+from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention
 
 from sglang_kvx.config import GATED_ATTENTION_BACKEND as KVX_GATED_ATTENTION
 
@@ -59,12 +62,39 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
         if decode and gates is not None:
             tau = self._thresholds(forward_batch, layer.layer_id, gates)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+        folded = self._folded(forward_batch, layer.layer_id, gates is not None) if decode else None
         out = gated_attention(
             q.reshape(-1, num_heads, head_dim), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             gates, self.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens,
-            forward_batch.positions, tau, kind, layer.scaling,
+            forward_batch.positions, tau, kind, layer.scaling, folded=folded,
         )
         return out.reshape(-1, num_heads * layer.v_head_dim)
+
+    def _folded(self, forward_batch, layer_id: int, gated: bool) -> FoldedKeys | None:
+        """The batch's re-folded rows (learned-gate eviction): the row stretch each skips and the
+        kept entries it reads instead, from the fold's cells."""
+        link = link_of(self)
+        if link is None or not link.runtime.decode:
+            return None
+        runtime = link.runtime
+        batch = link.batch(forward_batch)
+        folds = [runtime.decode.fold(row) for row in batch.rows]
+        if not any(folds):
+            return None
+        layer = runtime.compactor.layer_index[layer_id]
+        hidden = torch.zeros((2, len(folds)), dtype=torch.long)
+        keys, values, gates, counts = [], [], [], [0]
+        for i, fold in enumerate(folds):
+            if fold is not None:
+                hidden[0, i], hidden[1, i] = fold.start, fold.end
+                k, v, g = read_folded(fold, layer, runtime.pool, self.gates, gated)
+                keys.append(k)
+                values.append(v)
+                gates.append(g)
+            counts.append(counts[-1] + (keys[-1].shape[0] if fold is not None else 0))
+        device = forward_batch.req_pool_indices.device
+        return FoldedKeys(hidden[0].to(device), hidden[1].to(device), torch.cat(keys), torch.cat(values),
+                          torch.cat(gates) if gated else None, torch.tensor(counts, device=device))
 
     def _thresholds(self, forward_batch, layer_id: int, gates: torch.Tensor) -> torch.Tensor:
         """Each decode row's tau (0: keeps all), and what it deletes in this layer reported to its state."""
@@ -78,6 +108,9 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
         layer = link.runtime.compactor.layer_index[layer_id]
         for row, seq_len, tau in zip(batch.rows, batch.seq_lens, taus):
             if tau is not None:
-                below = gates[req_to_token[row, :seq_len].long()] < tau
-                decode.record_gate_deletions(row, layer, below.cpu())
+                below = (gates[req_to_token[row, :seq_len].long()] < tau).cpu()
+                fold = decode.fold(row)
+                if fold is not None:
+                    below[fold.start : fold.end] = False  # those cells are gone; the fold counts them
+                decode.record_gate_deletions(row, layer, below)
         return torch.tensor([tau or 0.0 for tau in taus], dtype=torch.float32)

@@ -104,6 +104,7 @@ def build_runtime(scheduler, config):
         config, pool, defaults, num_rows=scheduler.req_to_token_pool.size + 1, num_q_heads=hf.num_attention_heads,
         attention_layer_ids=attention_ids, gdn_layer_ids=gdn_ids, rope_inv_freq=rope_inv_freq(hf, pool.head_dim),
         submit=submit, tokenizer=getattr(scheduler, "tokenizer", None), context_len=scheduler.model_config.context_len,
+        gates=getattr(runner.attn_backend, "gates", None),  # the kvx_gated backend's (learned-gate family only)
     )
 
 

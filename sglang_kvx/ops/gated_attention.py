@@ -18,7 +18,8 @@ Shapes: q [N, Hq, D], the batch's query tokens row after row (``q_lens`` per row
 of each row: row b's queries are its keys ``seq_len - q_len ..  seq_len - 1``); k_cache [P, Hkv, D],
 v_cache [P, Hkv, Dv]; key_gate [P] or None (the gate of each pool slot's token, from the previous
 layer); req_to_token [R, M]; rows, seq_lens, q_lens, tau [B]; q_positions [N] absolute positions
-(the sigmoid bias). Returns [N, Hq, Dv] in q's dtype; math in float32.
+(the sigmoid bias). Returns [N, Hq, Dv] in q's dtype; math in float32. ``folded`` (``FoldedKeys``):
+rows whose older entries were re-folded into other cells read those instead of a row interval.
 
 ``gated_attention`` dispatches to the Triton kernel on CUDA (and under TRITON_INTERPRET=1 when
 asked for) and to the torch reference elsewhere; the reference is the source of truth. FlashInfer's
@@ -28,6 +29,7 @@ custom attention variants could express the sigmoid form; that seam is left to a
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -35,14 +37,30 @@ KINDS = ("softmax", "sigmoid")
 _IMPLS = ("auto", "torch", "triton")
 
 
+@dataclass(frozen=True)
+class FoldedKeys:
+    """Rows whose older entries were re-folded out of their cells: row b does not read its row
+    indices [hidden_from[b], hidden_to[b]); instead it reads the extra keys
+    ``keys[indptr[b]:indptr[b + 1]]`` (with their values and gates), which precede all its queries."""
+
+    hidden_from: torch.Tensor  # [B]
+    hidden_to: torch.Tensor  # [B]
+    keys: torch.Tensor  # [E, Hkv, D]
+    values: torch.Tensor  # [E, Hkv, Dv]
+    gates: torch.Tensor | None  # [E] (None in a layer without a gate)
+    indptr: torch.Tensor  # [B + 1]
+
+
 def gated_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
+    folded: FoldedKeys | None = None,
 ) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"attention kind must be one of {KINDS}, got {kind!r}")
     num_heads, kv_heads = q.shape[1], k_cache.shape[1]
+    group = num_heads // kv_heads
     out = q.new_empty((q.shape[0], num_heads, v_cache.shape[-1]))
     start = 0
     for b in range(rows.numel()):
@@ -50,15 +68,27 @@ def gated_attention_reference(
         if n == 0:
             continue
         slots = req_to_token[int(rows[b]), :length].to(torch.long)
-        keys = k_cache[slots].float().repeat_interleave(num_heads // kv_heads, dim=1)  # [L, Hq, D]
-        values = v_cache[slots].float().repeat_interleave(num_heads // kv_heads, dim=1)
+        keys = k_cache[slots].float()
+        values = v_cache[slots].float()
+        g = key_gate[slots].float() if key_gate is not None else None
+        key_index = torch.arange(length, device=q.device)
+        in_row = torch.ones(length, dtype=torch.bool, device=q.device)
+        if folded is not None:  # row cells [hidden_from, hidden_to) are gone; their kept keys are extra cells
+            in_row[int(folded.hidden_from[b]) : int(folded.hidden_to[b])] = False
+            lo, hi = int(folded.indptr[b]), int(folded.indptr[b + 1])
+            keys = torch.cat([folded.keys[lo:hi].float(), keys[in_row]])
+            values = torch.cat([folded.values[lo:hi].float(), values[in_row]])
+            if g is not None:
+                g = torch.cat([folded.gates[lo:hi].float(), g[in_row]])
+            # Extra cells sit before every query of the row (index -1: always causal, never a query's own).
+            key_index = torch.cat([torch.full((hi - lo,), -1, device=q.device), key_index[in_row]])
+        keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = values.repeat_interleave(group, dim=1)
         queries = q[start : start + n].float()
         z = torch.einsum("nhd,lhd->hnl", queries, keys) * scaling
-        key_index = torch.arange(length, device=q.device)
         query_index = length - n + torch.arange(n, device=q.device)
         visible = key_index[None, :] <= query_index[:, None]  # [n, L] causal
-        if key_gate is not None:
-            g = key_gate[slots].float()
+        if g is not None:
             z = z + torch.log(g + gate_eps)
             values = values * g[:, None, None]
             threshold = float(tau[b])
@@ -78,7 +108,7 @@ def gated_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
-    impl: str | None = None,
+    folded: FoldedKeys | None = None, impl: str | None = None,
 ) -> torch.Tensor:
     """Dispatch (``SGLANG_KVX_GATED_ATTENTION_IMPL`` = auto | torch | triton overrides)."""
     impl = impl or os.environ.get("SGLANG_KVX_GATED_ATTENTION_IMPL", "auto")
@@ -88,6 +118,6 @@ def gated_attention(
         from sglang_kvx.ops.triton_gated_attention import gated_attention_triton
 
         return gated_attention_triton(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
-                                      q_positions, tau, kind, scaling, gate_eps)
+                                      q_positions, tau, kind, scaling, gate_eps, folded=folded)
     return gated_attention_reference(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
-                                     q_positions, tau, kind, scaling, gate_eps)
+                                     q_positions, tau, kind, scaling, gate_eps, folded=folded)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from sglang_kvx.compact.gate_fold import FoldedRow, fold_row
 from sglang_kvx.decode import DecodeSettings, DecodeStep, Span
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.store import CompactedContext, PrefixCells
@@ -50,6 +51,7 @@ class DecodeRow:
     prev_hidden: torch.Tensor | None = None  # the last committed final hidden state (steps reading hidden)
     full_steps: int = 0  # steps re-run with full attention
     gate_deleted: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (prefill, decode, live)
+    fold: FoldedRow | None = None  # learned-gate eviction: the row's re-folded stretch
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -61,10 +63,19 @@ class DecodeRow:
 RecallScorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (prev_h, emb, local_h) -> [n]
 
 
+FOLD_EVERY = 64  # decode steps between re-folds of a row under learned-gate eviction (issue 15: at most 64)
+
+
 class DecodeRunner:
-    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None) -> None:
+    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None, gates: torch.Tensor | None = None,
+                 fold_every: int = FOLD_EVERY) -> None:
         self.pool = pool
         self.scorer = scorer  # the recall head for steps that read hidden states (None: none loaded)
+        self.gates = gates  # the gate of each pool cell, per buffer (learned-gate models only)
+        self.fold_every = fold_every
+        self.folds = 0
+        self.folds_skipped = 0  # no room in the pool for a fold's slots at that step
+        self.fold_freed_slots = 0  # slots returned by folds, net of the slots the folds hold
         self.rows: dict[int, DecodeRow] = {}
         self.freed_slots = 0  # slots returned to the pool while their requests ran
         self.rerun_count = 0
@@ -173,13 +184,49 @@ class DecodeRunner:
 
     def record_gate_deletions(self, row: int, layer: int, below: torch.Tensor) -> None:
         """After a decode step's attention in attention layer ``layer``: ``below`` marks the row's keys (the current one
-        last, used by this step) whose gate is under the row's threshold: deleted entries."""
+        last, used by this step) whose gate is under the row's threshold: deleted entries. A folded
+        stretch of the row is counted from its fold (``below`` is False there)."""
         state = self._live(row)
         if state is None:
             return
         prompt_len = len(state.request.input_ids)
         prefill = int(below[:prompt_len].sum())
-        state.gate_deleted[layer] = (prefill, int(below.sum()) - prefill, below.numel() - int(below.sum()))
+        decode = int(below.sum()) - prefill
+        live = below.numel() - int(below.sum())
+        fold = state.fold
+        if fold is not None:
+            prefill += fold.deleted_prompt[layer]
+            decode += fold.deleted_generated[layer]
+            live += fold.kept(layer) - (fold.end - fold.start)
+        state.gate_deleted[layer] = (prefill, decode, live)
+
+    def fold(self, row: int) -> FoldedRow | None:
+        state = self.rows.get(row)
+        return state.fold if state is not None else None
+
+    def _maybe_fold(self, state: DecodeRow, row: int, seq_len: int) -> None:
+        """Every ``fold_every`` steps, re-fold a gate-evicting row's own positions so far: the cells
+        its deleted entries held go back to the pool."""
+        if self.gates is None or not state.step.evicts_by_gate or state.step.gate_threshold() <= 0:
+            return
+        if state.steps % self.fold_every:
+            return
+        start = state.fold.start if state.fold is not None else state.request.owned_from
+        if state.fold is not None and state.request.owned_from > start:
+            raise NotImplementedError("learned-gate folding: the prefix cache took positions already folded")
+        if seq_len - (state.fold.end if state.fold is not None else start) <= 0:
+            return
+        previous = state.fold
+        fold = fold_row(self.pool, self.gates, self.pool.row(row, seq_len), start, seq_len,
+                        len(state.request.input_ids), state.step.gate_threshold(), previous)
+        if fold is None:
+            self.folds_skipped += 1
+            return
+        self.folds += 1
+        released = (previous.slots.numel() if previous is not None else 0) + seq_len - (previous.end if previous else start)
+        self.fold_freed_slots += released - fold.slots.numel()
+        state.fold = fold
+        state.freed = (start, seq_len)  # the row's cells there are gone: release() must not free them again
 
     def gate_summary(self, state: DecodeRow) -> dict | None:
         if not state.gate_deleted:
@@ -190,7 +237,10 @@ class DecodeRunner:
         return {"decode": state.step.name, "tau": state.step.gate_threshold(),
                 "live_entries_per_layer": {str(layer): state.gate_deleted[layer][2] for layer in layers},
                 "deleted_at_prefill": prefill, "deleted_at_decode": decode,
-                "deleted_bytes": (prefill + decode) * self.pool.bytes_per_entry}
+                "deleted_bytes": (prefill + decode) * self.pool.bytes_per_entry,
+                "folds": state.fold.folds if state.fold is not None else 0,
+                "freed_bytes": (state.fold.end - state.fold.start - state.fold.slots.numel())
+                * self.pool.bytes_per_entry * self.pool.num_layers if state.fold is not None else 0}
 
     def summary(self, row: int) -> dict | None:
         """What a routed row's step did (for its response and /kvx/stats); None for other rows."""
@@ -219,6 +269,10 @@ class DecodeRunner:
                 self._fail(state, exc)
                 continue
             if dropped is None:
+                try:
+                    self._maybe_fold(state, row, seq_len)
+                except Exception as exc:
+                    self._fail(state, exc)
                 continue
             state.dropped = [_union(old, new) for old, new in zip(state.dropped, dropped)]
             # Positions every layer dropped, and that are this request's own (not the prefix cache's).
@@ -280,6 +334,8 @@ class DecodeRunner:
         return the new owned start for SGLang (nothing left for it to free), or None when the row
         ran no decode step that freed anything (SGLang frees as usual)."""
         state = self.rows.pop(row, None)
+        if state is not None and state.fold is not None:
+            self.pool.free(state.fold.slots)
         if state is not None and state.gate_deleted:
             self.gate_rows += 1
             for index, (prefill, decode, _live) in state.gate_deleted.items():

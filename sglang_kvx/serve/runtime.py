@@ -50,7 +50,7 @@ class Runtime:
     def __init__(self, config: KvxConfig, pool: KVPool, defaults: ServerDefaults, *, num_rows: int,
                  num_q_heads: int, attention_layer_ids: list[int], gdn_layer_ids: list[int],
                  rope_inv_freq: Callable[[], torch.Tensor], submit: Callable[..., None],
-                 tokenizer: Any, context_len: int) -> None:
+                 tokenizer: Any, context_len: int, gates: torch.Tensor | None = None) -> None:
         self.config = config
         self.pool = pool
         self.defaults = defaults
@@ -65,7 +65,7 @@ class Runtime:
         self.recall_head = load_recall_head(config) if config.decode_steps and config.oda_head else None
         if self.recall_head is not None:
             self.recall_head.to(pool.device)
-        self.decode = DecodeRunner(pool, self.recall_head)
+        self.decode = DecodeRunner(pool, self.recall_head, gates=gates)
         self.submit = submit
         self.shared = SharedPrefixes(config.auto_context_min_tokens)
         self.auto_contexts = 0  # parents queued for shared beginnings
@@ -334,6 +334,10 @@ class Runtime:
             "gate_eviction_requests": self.decode.gate_rows,  # finished requests that ran learned-gate eviction
             "gate_deleted_bytes": (sum(self.decode.gate_deleted_prefill) + sum(self.decode.gate_deleted_decode))
             * self.pool.bytes_per_entry,
+            # Re-folding: pool slots returned while the requests ran (net of the folds' own slots).
+            "gate_folds": self.decode.folds,
+            "gate_folds_skipped_no_room": self.decode.folds_skipped,
+            "gate_freed_bytes": self.decode.fold_freed_slots * self.pool.bytes_per_entry * self.pool.num_layers,
             "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
             "auto_contexts_queued": self.auto_contexts,
         }
