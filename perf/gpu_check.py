@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, without installing it
 
 from sglang_kvx.ops.gatesight import mlp_utility  # noqa: E402
+from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention  # noqa: E402
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
 
 
@@ -85,6 +86,28 @@ def check_mlp_utility(device: torch.device, repeats: int, n: int, layers: int = 
             "speedup": round(torch_s / triton_s, 2) if triton_s else None}
 
 
+def check_gated_attention(name: str, device: torch.device, repeats: int, kind: str, batch: int, seq_len: int,
+                          heads: int, dim: int, folded_len: int, tau: float = 0.1) -> dict:
+    """The learned-gate family's decode attention: gate-scaled keys, tau deletions, a folded stretch."""
+    g = torch.Generator().manual_seed(2)
+    pool = batch * (seq_len + folded_len) + 1
+    r2t = (torch.randperm(pool - 1, generator=g)[: batch * seq_len] + 1).view(batch, seq_len).to(torch.int32)
+    extras = batch * folded_len
+    folded = FoldedKeys(torch.full((batch,), 2), torch.full((batch,), 2 + folded_len), torch.randn(extras, heads, dim, generator=g),
+                        torch.randn(extras, heads, dim, generator=g), torch.rand(extras, generator=g), torch.arange(batch + 1) * folded_len)
+    case = dict(q=torch.randn(batch, heads, dim, generator=g), k_cache=torch.randn(pool, heads, dim, generator=g),
+                v_cache=torch.randn(pool, heads, dim, generator=g), key_gate=torch.rand(pool, generator=g), req_to_token=r2t,
+                rows=torch.arange(batch), seq_lens=torch.full((batch,), seq_len), q_lens=torch.ones(batch, dtype=torch.long),
+                q_positions=torch.full((batch,), seq_len - 1), tau=torch.full((batch,), tau), kind=kind, scaling=dim ** -0.5)
+    case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    folded = FoldedKeys(*(x.to(device) for x in (folded.hidden_from, folded.hidden_to, folded.keys, folded.values,
+                                                  folded.gates, folded.indptr)))
+    got, triton_s = timed(lambda: gated_attention(**case, folded=folded, impl="triton"), device, repeats)
+    want, torch_s = timed(lambda: gated_attention(**case, folded=folded, impl="torch"), device, repeats)
+    return {"case": name, "max_abs_err": float((got.float() - want.float()).abs().max()),
+            "triton_s": triton_s, "torch_reference_s": torch_s, "speedup": round(torch_s / triton_s, 2) if triton_s else None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -113,6 +136,11 @@ def main() -> None:
             result["checks"].append(check_mlp_utility(device, args.repeats, n=n))
     for name, shape in shapes:
         result["checks"].append(check_prefix_attention(name, device, 0 if args.smoke else args.repeats, **shape))
+    size = dict(batch=2, seq_len=30, heads=2, dim=16, folded_len=8) if args.smoke else \
+        dict(batch=32, seq_len=2048, heads=12, dim=64, folded_len=512)
+    for kind in ("sigmoid", "softmax"):
+        result["checks"].append(check_gated_attention(f"gated_{kind}_decode_folded", device,
+                                                      0 if args.smoke else args.repeats, kind, **size))
     print(json.dumps(result, indent=1))
 
 
