@@ -7,7 +7,7 @@ SGLang's torch-native metadata, writes K/V into SGLang's pool as usual, keeps ea
 beside the pool (one float per slot and layer, ``gates``), and computes attention with the op.
 
 Eviction: a decode row whose step has a gate threshold (``sigmoid-gate``) reads only keys with
-g >= tau, plus its own. What each row has deleted is reported to its decode state per step. A row
+g >= tau, plus its own. A row
 re-folded by its decode state (``compact/gate_fold.py``, every 64 steps) reads its folded stretch from
 the fold's cells, whatever buffer they sit in.
 """
@@ -60,7 +60,7 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
         q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
         tau = torch.zeros(batch, dtype=torch.float32)
         if decode and gates is not None:
-            tau = self._thresholds(forward_batch, layer.layer_id, gates)
+            tau = self._thresholds(forward_batch)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
         folded = self._folded(forward_batch, layer.layer_id, gates is not None) if decode else None
         out = gated_attention(
@@ -96,21 +96,10 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
         return FoldedKeys(hidden[0].to(device), hidden[1].to(device), torch.cat(keys), torch.cat(values),
                           torch.cat(gates) if gated else None, torch.tensor(counts, device=device))
 
-    def _thresholds(self, forward_batch, layer_id: int, gates: torch.Tensor) -> torch.Tensor:
-        """Each decode row's tau (0: keeps all), and what it deletes in this layer reported to its state."""
+    def _thresholds(self, forward_batch) -> torch.Tensor:
+        """Each decode row's tau (0: keeps all)."""
         link = link_of(self)
         if link is None or not link.runtime.decode:
             return torch.zeros(forward_batch.req_pool_indices.numel(), dtype=torch.float32)
-        batch = link.batch(forward_batch)
-        decode = link.runtime.decode
-        taus = decode.gate_thresholds(batch.rows)
-        req_to_token = self.req_to_token_pool.req_to_token
-        layer = link.runtime.compactor.layer_index[layer_id]
-        for row, seq_len, tau in zip(batch.rows, batch.seq_lens, taus):
-            if tau is not None:
-                below = (gates[req_to_token[row, :seq_len].long()] < tau).cpu()
-                fold = decode.fold(row)
-                if fold is not None:
-                    below[fold.start : fold.end] = False  # those cells are gone; the fold counts them
-                decode.record_gate_deletions(row, layer, below)
+        taus = link.runtime.decode.gate_thresholds(link.batch(forward_batch).rows)
         return torch.tensor([tau or 0.0 for tau in taus], dtype=torch.float32)

@@ -67,21 +67,22 @@ def gated_attention_reference(
         n, length = int(q_lens[b]), int(seq_lens[b])
         if n == 0:
             continue
-        slots = req_to_token[int(rows[b]), :length].to(torch.long)
+        key_index = torch.arange(length, device=q.device)
+        if folded is not None:  # row cells [hidden_from, hidden_to) are gone; their kept keys are extra cells
+            start_hidden, end_hidden = int(folded.hidden_from[b]), int(folded.hidden_to[b])
+            key_index = torch.cat([key_index[:start_hidden], key_index[end_hidden:]])
+        slots = req_to_token[int(rows[b]), key_index].to(torch.long)
         keys = k_cache[slots].float()
         values = v_cache[slots].float()
         g = key_gate[slots].float() if key_gate is not None else None
-        key_index = torch.arange(length, device=q.device)
-        in_row = torch.ones(length, dtype=torch.bool, device=q.device)
-        if folded is not None:  # row cells [hidden_from, hidden_to) are gone; their kept keys are extra cells
-            in_row[int(folded.hidden_from[b]) : int(folded.hidden_to[b])] = False
+        if folded is not None:
             lo, hi = int(folded.indptr[b]), int(folded.indptr[b + 1])
-            keys = torch.cat([folded.keys[lo:hi].float(), keys[in_row]])
-            values = torch.cat([folded.values[lo:hi].float(), values[in_row]])
+            keys = torch.cat([folded.keys[lo:hi].float(), keys])
+            values = torch.cat([folded.values[lo:hi].float(), values])
             if g is not None:
-                g = torch.cat([folded.gates[lo:hi].float(), g[in_row]])
+                g = torch.cat([folded.gates[lo:hi].float(), g])
             # Extra cells sit before every query of the row (index -1: always causal, never a query's own).
-            key_index = torch.cat([torch.full((hi - lo,), -1, device=q.device), key_index[in_row]])
+            key_index = torch.cat([torch.full((hi - lo,), -1, device=q.device), key_index])
         keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = values.repeat_interleave(group, dim=1)
         queries = q[start : start + n].float()

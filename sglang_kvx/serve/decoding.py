@@ -52,6 +52,7 @@ class DecodeRow:
     full_steps: int = 0  # steps re-run with full attention
     gate_deleted: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (prefill, decode, live)
     fold: FoldedRow | None = None  # learned-gate eviction: the row's re-folded stretch
+    kv_len: int = 0  # keys its last decode step read (learned-gate eviction's counts)
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -182,23 +183,28 @@ class DecodeRunner:
             taus.append(state.step.gate_threshold() if state is not None and state.step.evicts_by_gate else None)
         return taus
 
-    def record_gate_deletions(self, row: int, layer: int, below: torch.Tensor) -> None:
-        """After a decode step's attention in attention layer ``layer``: ``below`` marks the row's keys (the current one
-        last, used by this step) whose gate is under the row's threshold: deleted entries. A folded
-        stretch of the row is counted from its fold (``below`` is False there)."""
-        state = self._live(row)
-        if state is None:
+    def count_gate_deletions(self, state: DecodeRow, row: int) -> None:
+        """What a gate-evicting row has deleted so far, per attention layer past the first (the
+        first has no gate): entries under its threshold among the keys its last step read (the
+        current one included: used by that step, deleted after it), its fold's counts for the
+        stretch the fold holds. Counted from the gates when asked, not at every step."""
+        if self.gates is None or not state.step.evicts_by_gate or state.kv_len == 0:
             return
+        tau, fold = state.step.gate_threshold(), state.fold
         prompt_len = len(state.request.input_ids)
-        prefill = int(below[:prompt_len].sum())
-        decode = int(below.sum()) - prefill
-        live = below.numel() - int(below.sum())
-        fold = state.fold
-        if fold is not None:
-            prefill += fold.deleted_prompt[layer]
-            decode += fold.deleted_generated[layer]
-            live += fold.kept(layer) - (fold.end - fold.start)
-        state.gate_deleted[layer] = (prefill, decode, live)
+        slots = self.pool.row(row, state.kv_len)
+        for layer in range(1, self.pool.num_layers):
+            below = (self.gates[self.pool.layer_id(layer), slots] < tau).cpu()
+            if fold is not None:
+                below[fold.start : fold.end] = False  # those cells are gone; the fold counts them
+            prefill = int(below[:prompt_len].sum())
+            decode = int(below.sum()) - prefill
+            live = below.numel() - int(below.sum())
+            if fold is not None:
+                prefill += fold.deleted_prompt[layer]
+                decode += fold.deleted_generated[layer]
+                live += fold.kept(layer) - (fold.end - fold.start)
+            state.gate_deleted[layer] = (prefill, decode, live)
 
     def fold(self, row: int) -> FoldedRow | None:
         state = self.rows.get(row)
@@ -247,6 +253,7 @@ class DecodeRunner:
         state = self.rows.get(row)
         if state is None:
             return None
+        self.count_gate_deletions(state, row)
         if state.gate_deleted:
             return self.gate_summary(state)
         if not state.step.reads_hidden:
@@ -269,6 +276,7 @@ class DecodeRunner:
                 self._fail(state, exc)
                 continue
             if dropped is None:
+                state.kv_len = seq_len
                 try:
                     self._maybe_fold(state, row, seq_len)
                 except Exception as exc:
@@ -333,6 +341,8 @@ class DecodeRunner:
         """The row's request leaves: free its own live slots here (some were freed already) and
         return the new owned start for SGLang (nothing left for it to free), or None when the row
         ran no decode step that freed anything (SGLang frees as usual)."""
+        if row in self.rows:
+            self.count_gate_deletions(self.rows[row], row)
         state = self.rows.pop(row, None)
         if state is not None and state.fold is not None:
             self.pool.free(state.fold.slots)
