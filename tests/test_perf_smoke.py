@@ -98,3 +98,17 @@ def test_bench_sessions_smoke():
     for arm in r["arms"].values():
         assert arm["questions"] == 6 and arm["parents_sent"] >= 3
     assert r["arms"]["on"]["peak_store_contexts"] == 3 and r["arms"]["on"]["context_reprefills"] == 0
+
+
+def test_bench_gate_eviction_smoke(tmp_path):
+    result = run_bench("bench_gate_eviction.py", "--val-sequences", "2", "--test-sequences", "2", "--probe-sequences", "1",
+                       "--out", str(tmp_path))
+    has(result, "dense_test_ppl", "validation_sweeps", "tau_star", "test_matched", "ordering", "random_probe",
+        "row_sum_cv", "gates")
+    assert len(result["test_matched"]) == 4 and (tmp_path / "table.csv").exists() and (tmp_path / "tau_sweep.png").exists()
+
+
+def test_bench_gate_decode_smoke():
+    result = run_bench("bench_gate_decode.py", "--new-tokens", "80", "--repeats", "1", "--tau", "0.1")
+    has(result, "decode_seconds_per_step", "gate_vs_plain", "gate_report", "memory")
+    assert result["gate_report"]["folds"] == 1 and result["memory"]["pool_bytes_peak"]["gate"] > 0
