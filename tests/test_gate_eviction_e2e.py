@@ -138,6 +138,7 @@ def test_stats_report_gate_deletions_and_the_pool_balances(gated_server) -> None
     generate(server, split_prompt(cell, 50), {"step": "sigmoid-gate", "tau": 0.3})
     stats = server.stats()
     assert stats["gate_folds"] >= 1 and stats["gate_freed_bytes"] > 0
+    assert stats["gate_requests"] == []  # none running now
     server.flush()
     idle = server.stats()
     assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]  # nothing leaked
@@ -146,3 +147,22 @@ def test_stats_report_gate_deletions_and_the_pool_balances(gated_server) -> None
     assert len(layers) == 4 and layers[0] == {"prefill": 0, "decode": 0}  # layer 0 has no gate
     assert sum(layer["prefill"] + layer["decode"] for layer in layers) > 0
     assert stats["gate_deleted_bytes"] == sum(l["prefill"] + l["decode"] for l in layers) * 2 * 128 * 4
+
+
+def test_running_requests_report_their_live_entries(gated_server) -> None:
+    """While a request decodes, /kvx/stats lists its live entries per layer."""
+    import threading
+
+    cell, server, _ = gated_server
+    payload = {"input_ids": split_prompt(cell, 100), "sampling_params": {
+        "max_new_tokens": 400, "temperature": 0, "ignore_eos": True,
+        "custom_params": {"kvx": {"decode": {"step": "sigmoid-gate", "tau": 0.3}}}}}
+    worker = threading.Thread(target=server.generate, args=(payload,))
+    worker.start()
+    seen = []
+    while worker.is_alive() and not seen:
+        seen = server.stats()["gate_requests"]
+    worker.join()
+    assert seen, "the request finished before a stats poll saw it"
+    report = seen[0]
+    assert report["tau"] == 0.3 and sorted(report["live_entries_per_layer"]) == ["1", "2", "3"]

@@ -350,6 +350,9 @@ class Runtime:
             "last_compaction_error": self.errors[-1] if self.errors else None,
             "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
                              and "routed_steps" in s],
+            # Running requests under learned-gate eviction: live entries per layer, deleted, folded.
+            "gate_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
+                              and "live_entries_per_layer" in s],
             # Learned-gate eviction: per attention layer, entries deleted after the prefill and during decode.
             "gate_deleted_per_layer": [{"prefill": p, "decode": d} for p, d in
                                        zip(self.decode.gate_deleted_prefill, self.decode.gate_deleted_decode)],
