@@ -91,8 +91,9 @@ def main() -> None:
                 times[arm].append(seconds)
                 reports[arm] = (last["meta_info"].get("kvx") or [None])[-1]
                 peaks[arm] = max(peaks.get(arm, 0), peak)
-        bytes_per_entry = server.stats()["kv_bytes_total"] // (2 * context)  # all layers, one position
-    layers = 4
+        stats = server.stats()
+        bytes_per_entry = stats["kv_bytes_total"] // stats["kv_pool_total_tokens"]  # one position, all layers
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     cached = args.prompt + args.new_tokens - 1
     report = reports["gate"]
     live_entries = cached + sum(report["live_entries_per_layer"].values())  # layer 0 keeps all

@@ -33,7 +33,7 @@ FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
-GATED_MODEL_TYPE = "kvx_gated_gpt"  # models/gated.py (not imported here: it pulls in transformers)
+GATED_MODEL_TYPE = "kvx_gated_gpt"  # the learned-gate family (models/gated.py takes its name from here)
 GATED_ATTENTION_BACKEND = "kvx_gated"  # adapter/gated_backend.py
 
 

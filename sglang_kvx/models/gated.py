@@ -63,7 +63,9 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-MODEL_TYPE = "kvx_gated_gpt"
+from sglang_kvx.config import GATED_MODEL_TYPE
+
+MODEL_TYPE = GATED_MODEL_TYPE
 ATTENTIONS = ("softmax", "sigmoid")
 POSITIONS = ("rope", "nope")
 GATES = ("gate", "none")

@@ -53,6 +53,7 @@ class DecodeRow:
     gate_deleted: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (prefill, decode, live)
     fold: FoldedRow | None = None  # learned-gate eviction: the row's re-folded stretch
     kv_len: int = 0  # keys its last decode step read (learned-gate eviction's counts)
+    counted_len: int = -1  # the kv_len its gate_deleted counts are for
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
@@ -188,8 +189,9 @@ class DecodeRunner:
         first has no gate): entries under its threshold among the keys its last step read (the
         current one included: used by that step, deleted after it), its fold's counts for the
         stretch the fold holds. Counted from the gates when asked, not at every step."""
-        if self.gates is None or not state.step.evicts_by_gate or state.kv_len == 0:
+        if self.gates is None or not state.step.evicts_by_gate or state.kv_len in (0, state.counted_len):
             return
+        state.counted_len = state.kv_len
         tau, fold = state.step.gate_threshold(), state.fold
         prompt_len = len(state.request.input_ids)
         slots = self.pool.row(row, state.kv_len)
