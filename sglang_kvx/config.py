@@ -310,7 +310,7 @@ def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str
     step = DECODE_STEPS[settings["step"]]
     if traits is not None and step.needs - traits.signals:
         raise KvxConfigError(f"--kvx-decode {settings['step']} needs {', '.join(sorted(step.needs))}, which "
-                             f"{traits.architecture} does not provide (serve a gated checkpoint: weights/gated/*-gate)")
+                             f"{traits.architecture} does not provide (serve {step.model_hint or 'a model that does'})")
     if "tau" in step.real_options and "tau" not in settings:
         if config.gate_tau is None:
             raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "

@@ -187,7 +187,7 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
     missing = sorted(step.needs - server.model_signals)
     if missing:
         raise SettingsError(f"{FIELD_PREFIX}.decode.step {settings.step!r} needs {', '.join(missing)}, "
-                            f"which this model does not provide")
+                            f"which this model does not provide" + (f" (serve {step.model_hint})" if step.model_hint else ""))
     if "tau" in step.real_options and "tau" not in dict(settings.options):
         if server.gate_tau is None:
             raise SettingsError(f"{FIELD_PREFIX}.decode.tau is needed: this checkpoint has no frozen threshold")

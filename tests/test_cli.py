@@ -29,6 +29,8 @@ def our_error_lines(stderr: str) -> list[str]:
         (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),
         (("--kvx-policy", "gatesight"), "--kvx-policy gatesight needs gdn, output_gate, which LlamaForCausalLM does not provide"),
+        (("--kvx-decode", "keydiff"), "--kvx-decode keydiff needs decode_attention_weights, which LlamaForCausalLM does not "
+         "provide (serve a dense cell of the learned-gate family: weights/gated/*-none)"),
     ],
 )
 def test_bad_flags_fail_fast_with_one_line(demo_paths, flags, expected):
@@ -65,6 +67,11 @@ def _gated(cell: str) -> str:
         ("sigmoid-rope-none", ("--kvx-decode", "sigmoid-gate"),
          "--kvx-decode sigmoid-gate needs learned_gates, which KvxGatedForCausalLM does not provide "
          "(serve a gated checkpoint: weights/gated/*-gate)"),
+        ("sigmoid-rope-gate", ("--kvx-decode", "h2o"),
+         "--kvx-decode h2o needs decode_attention_weights, which KvxGatedForCausalLM does not provide "
+         "(serve a dense cell of the learned-gate family: weights/gated/*-none)"),
+        ("softmax-nope-none", ("--kvx-decode", '{"step": "h2o", "budget": 1}'),
+         "--kvx-decode: budget must be >= 2 (a recent half and a heavy half), got 1"),
         ("sigmoid-rope-gate", ("--kvx-decode", '{"step": "sigmoid-gate", "tau": 1.5}'),
          "--kvx-decode: tau must be in [0, 1), got 1.5"),
         ("sigmoid-rope-gate", ("--attention-backend", "torch_native", "--kvx-decode", "sigmoid-gate"),

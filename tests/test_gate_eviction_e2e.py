@@ -11,7 +11,6 @@ after the prefill and through 128 decode steps. Bad flags fail before the model 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,28 +19,16 @@ from sglang_kvx.models.gated import KvxGatedForCausalLM, register
 from sglang_kvx.reference.gated import gate_rule, live_entries
 from sglang_kvx.serve.launcher import ServerProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+from gated_cells import cell_path
+from gated_cells import split_prompt as read_test_prompt
+
 CELLS = ("sigmoid-rope-gate", "softmax-nope-gate")
 SERVER_TAU = 0.05
 PROMPT_LEN, NEW_TOKENS = 200, 128
 
 
-def cell_path(cell: str) -> str:
-    return str(ROOT / "weights" / "gated" / cell)
-
-
 def split_prompt(cell: str, length: int = PROMPT_LEN) -> list[int]:
-    """Real text of the checkpoint's test split (its manifest names the documents), tokenised by its tokenizer."""
-    from transformers import AutoTokenizer
-
-    from sglang_kvx.training.train_gated import load_documents
-
-    manifest = json.loads((Path(cell_path(cell)) / "manifest.json").read_text())
-    docs, _ = load_documents(manifest["args"]["sources"].split(","), manifest["args"]["doc_chars"])
-    text = {d["id"]: d["text"] for d in docs}[manifest["split"]["test"][0]]
-    ids = AutoTokenizer.from_pretrained(cell_path(cell)).encode(text, add_special_tokens=False)
-    assert len(ids) >= length
-    return ids[:length]
+    return read_test_prompt(cell, length)
 
 
 @pytest.fixture(scope="module", params=CELLS)

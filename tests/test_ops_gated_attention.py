@@ -78,6 +78,37 @@ def test_reference_matches_the_models_attention_with_the_eviction_rule(kind, gat
     assert torch.allclose(got, independent(case), atol=1e-5), float((got - independent(case)).abs().max())
 
 
+@pytest.mark.parametrize("kind", ["sigmoid", "softmax"])
+def test_per_head_keep_masks_and_weight_sums_match_the_models_attention(kind) -> None:
+    """Per-head eviction (online H2O, KeyDiff): each KV head reads its own keys; the weights its
+    query group paid each key come back summed, as the model's own attention weights give them."""
+    case = random_case(5, kind, gated=False, decode=False)
+    heads, kv_heads = case["q"].shape[1], case["k_cache"].shape[1]
+    gen = torch.Generator().manual_seed(6)
+    keep = {b: torch.rand((kv_heads, int(case["seq_lens"][b])), generator=gen) > 0.4 for b in (0, 2)}
+    sums = {0: None, 2: None, 3: None}
+    got = gated_attention_reference(**case, key_keep=keep, weight_sums=sums)
+    start = 0
+    for b in range(4):
+        n, length = int(case["q_lens"][b]), int(case["seq_lens"][b])
+        slots = case["req_to_token"][case["rows"][b], :length].long()
+        k = case["k_cache"][slots].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None]
+        v = case["v_cache"][slots].float().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)[None]
+        q = case["q"][start : start + n].float().transpose(0, 1)[None]
+        mask = None
+        if b in keep:
+            mask = keep[b].repeat_interleave(heads // kv_heads, 0)[None, :, None, :].expand(1, heads, n, length)
+        out, a = dense_gated_attention(q, k, v, case["q_positions"][start : start + n][None], torch.arange(length)[None],
+                                       kind, keep=mask)
+        assert torch.allclose(got[start : start + n], out[0].transpose(0, 1), atol=1e-5)
+        if b in sums:
+            want = a[0].sum(1).view(kv_heads, heads // kv_heads, length).sum(1)
+            assert torch.allclose(sums[b], want, atol=1e-5)
+        start += n
+    assert set(sums) == {0, 2, 3} and all(s is not None for s in sums.values())  # only the rows asked for
+    assert not torch.allclose(got, gated_attention_reference(**case))  # the masks bite
+
+
 def test_tau_deletes_only_decode_keys_below_it_and_never_the_query_itself() -> None:
     case = random_case(2, "sigmoid", True, decode=True, tau=0.5)
     kept = gated_attention_reference(**case)

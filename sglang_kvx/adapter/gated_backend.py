@@ -10,6 +10,10 @@ Eviction: a decode row whose step has a gate threshold (``sigmoid-gate``) reads 
 g >= tau, plus its own. A row
 re-folded by its decode state (``compact/gate_fold.py``, every 64 steps) reads its folded stretch from
 the fold's cells, whatever buffer they sit in.
+
+Per-head eviction (``h2o``, ``keydiff`` decode steps, on the dense cells): the backend hands each
+such row's prefill weights to its decode state, reads each decode step's per-head keep mask from
+it, and hands back the step's weights (``serve/head_eviction.py``), layer by layer.
 """
 
 from __future__ import annotations
@@ -63,11 +67,31 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
             tau = self._thresholds(forward_batch)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
         folded = self._folded(forward_batch, layer.layer_id, gates is not None) if decode else None
+        k_cache = pool.get_key_buffer(layer.layer_id)
+        per_head, runtime = {}, link.runtime if (link := link_of(self)) is not None else None
+        if runtime is not None and runtime.decode:
+            batch = link.batch(forward_batch)
+            per_head = runtime.decode.per_head(batch.rows)
+        key_keep, weights = None, None
+        if per_head:
+            index = runtime.compactor.layer_index[layer.layer_id]
+            req_to_token = self.req_to_token_pool.req_to_token
+
+            def keys_of(i: int, length: int) -> torch.Tensor:
+                return k_cache[req_to_token[batch.rows[i], :length].long()].transpose(0, 1)
+
+            weights = {i: None for i, state in per_head.items() if state.step.reads_attention}
+            if decode:
+                key_keep = runtime.decode.head_masks(index, per_head, batch.seq_lens, keys_of)
         out = gated_attention(
-            q.reshape(-1, num_heads, head_dim), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            q.reshape(-1, num_heads, head_dim), k_cache, pool.get_value_buffer(layer.layer_id),
             gates, self.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens,
-            forward_batch.positions, tau, kind, layer.scaling, folded=folded,
+            forward_batch.positions, tau, kind, layer.scaling, folded=folded, key_keep=key_keep, weight_sums=weights,
         )
+        if per_head and decode:
+            runtime.decode.head_after_step(index, per_head, batch.seq_lens, weights, keys_of)
+        elif per_head:
+            runtime.decode.head_prefill(index, per_head, weights)
         return out.reshape(-1, num_heads * layer.v_head_dim)
 
     def _folded(self, forward_batch, layer_id: int, gated: bool) -> FoldedKeys | None:

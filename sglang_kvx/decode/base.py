@@ -17,6 +17,11 @@ sinks and a window). A step is one short class registered by name, like a policy
   live_tokens(prompt_len)   the most entries a request ever holds (None: unbounded): a bounded
                             request may generate past the pool's size
   gate_threshold()          learned-gate eviction: keys whose gate is below it are deleted (0: none)
+  first_keep(keys, attention), victim(keys, keep, attention, position)
+                            per-head eviction (``evicts_per_head``: online H2O, KeyDiff): which prefill
+                            entries each KV head keeps, and, once a step's write takes a head past
+                            ``budget``, the entry it evicts; ``attention`` is what the head's queries
+                            paid each entry so far (steps that ``read_attention``), else None
 
 Steps are numbered from 1: step t feeds the request's t-th output token (the prefill ran the prompt
 with full attention and produced the first). Positions count from the prompt's first token.
@@ -27,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
+
+import torch
 
 MAX_OPTION = 1 << 24
 MAX_REAL_OPTION = 1e6
@@ -63,6 +70,21 @@ class DecodeStep:
     drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
     needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
     evicts_by_gate: ClassVar[bool] = False  # gate_threshold() deletes keys (learned-gate eviction)
+    evicts_per_head: ClassVar[bool] = False  # keeps ``budget`` entries per layer and KV head (first_keep / victim)
+    reads_attention: ClassVar[bool] = False  # ... scored by the attention its queries paid each entry
+    model_hint: ClassVar[str] = ""  # what to serve when a model lacks what it ``needs``
+    budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step
+
+    def first_keep(self, keys: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
+        """Per-head eviction, after the prefill: which of its T entries each head keeps, [H, T] bool
+        (keys [H, T, D] as cached; attention [H, T] accumulated over the prefill's queries)."""
+        raise NotImplementedError(f"decode step {self.name!r} does not evict per head")
+
+    def victim(self, keys: torch.Tensor, keep: torch.Tensor, attention: torch.Tensor | None,
+               position: int) -> torch.Tensor:
+        """Per-head eviction, after the step at ``position`` wrote its entry and took the heads past
+        the budget: the entry each head evicts, [H] positions (keep [H, position + 1])."""
+        raise NotImplementedError(f"decode step {self.name!r} does not evict per head")
 
     def span(self, step: int) -> Span:
         return FULL

@@ -25,6 +25,7 @@ class SigmoidGateEviction(DecodeStep):
     real_options = ("tau",)
     needs: ClassVar[frozenset[str]] = frozenset({"learned_gates"})
     evicts_by_gate = True
+    model_hint = "a gated checkpoint: weights/gated/*-gate"
 
     def __init__(self, *, tau: float = 0.0) -> None:
         if not 0.0 <= tau < 1.0:

@@ -20,9 +20,14 @@ v_cache [P, Hkv, Dv]; key_gate [P] or None (the gate of each pool slot's token, 
 layer); req_to_token [R, M]; rows, seq_lens, q_lens, tau [B]; q_positions [N] absolute positions
 (the sigmoid bias). Returns [N, Hq, Dv] in q's dtype; math in float32. ``folded`` (``FoldedKeys``):
 rows whose older entries were re-folded into other cells read those instead of a row interval.
+``key_keep`` (batch index -> [Hkv, seq_len] bool): the keys each KV head of that row reads, on top of
+causality (per-head eviction during decode: ``h2o``, ``keydiff``). ``weight_sums`` (batch index ->
+None, filled in place): that row's attention weights summed over its queries and each KV head's
+query group, [Hkv, seq_len] float32 (what H2O accumulates).
 
 ``gated_attention`` dispatches to the Triton kernel on CUDA (and under TRITON_INTERPRET=1 when
-asked for) and to the torch reference elsewhere; the reference is the source of truth. FlashInfer's
+asked for) and to the torch reference elsewhere; the reference is the source of truth. Batches
+with per-head keep masks or weight sums (the per-head decode baselines) run on the reference. FlashInfer's
 custom attention variants could express the sigmoid form; that seam is left to a GPU session.
 """
 
@@ -55,7 +60,8 @@ def gated_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
-    folded: FoldedKeys | None = None,
+    folded: FoldedKeys | None = None, key_keep: dict[int, torch.Tensor] | None = None,
+    weight_sums: dict[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     if kind not in KINDS:
         raise ValueError(f"attention kind must be one of {KINDS}, got {kind!r}")
@@ -95,11 +101,18 @@ def gated_attention_reference(
             threshold = float(tau[b])
             if threshold > 0:
                 visible &= (g[None, :] >= threshold) | (key_index[None, :] == query_index[:, None])
+        per_head = (key_keep is not None and b in key_keep) or (weight_sums is not None and b in weight_sums)
+        if per_head and keys.shape[0] != length:
+            raise NotImplementedError("gated attention: per-head keep masks or weight sums on a re-folded row")
+        if key_keep is not None and b in key_keep:
+            visible = visible[None] & key_keep[b].to(q.device).repeat_interleave(group, dim=0)[:, None, :]  # [Hq, n, L]
         if kind == "softmax":
             a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
         else:
             bias = -torch.log(q_positions[start : start + n].float() + 1.0)
             a = torch.sigmoid(z + bias[None, :, None]) * visible
+        if weight_sums is not None and b in weight_sums:
+            weight_sums[b] = a.sum(1).view(kv_heads, group, length).sum(1)
         out[start : start + n] = torch.einsum("hnl,lhd->nhd", a, values).to(q.dtype)
         start += n
     return out
@@ -109,16 +122,19 @@ def gated_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_gate: torch.Tensor | None,
     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     q_positions: torch.Tensor, tau: torch.Tensor, kind: str, scaling: float, gate_eps: float = 1e-8,
-    folded: FoldedKeys | None = None, impl: str | None = None,
+    folded: FoldedKeys | None = None, impl: str | None = None, key_keep: dict[int, torch.Tensor] | None = None,
+    weight_sums: dict[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Dispatch (``SGLANG_KVX_GATED_ATTENTION_IMPL`` = auto | torch | triton overrides)."""
     impl = impl or os.environ.get("SGLANG_KVX_GATED_ATTENTION_IMPL", "auto")
     if impl not in _IMPLS:
         raise ValueError(f"SGLANG_KVX_GATED_ATTENTION_IMPL must be one of {_IMPLS}, got {impl!r}")
-    if impl == "triton" or (impl == "auto" and q.is_cuda):
+    per_head = bool(key_keep) or bool(weight_sums)  # the Triton kernel takes neither yet
+    if not per_head and (impl == "triton" or (impl == "auto" and q.is_cuda)):
         from sglang_kvx.ops.triton_gated_attention import gated_attention_triton
 
         return gated_attention_triton(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
                                       q_positions, tau, kind, scaling, gate_eps, folded=folded)
     return gated_attention_reference(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
-                                     q_positions, tau, kind, scaling, gate_eps, folded=folded)
+                                     q_positions, tau, kind, scaling, gate_eps, folded=folded, key_keep=key_keep,
+                                     weight_sums=weight_sums)

@@ -33,8 +33,10 @@ class ModelTraits:
     @property
     def signals(self) -> frozenset[str]:
         if self.gated_attention:
-            # Its attention runs in its own op, not SGLang's backends: none of the signals recorded there.
-            return frozenset({"learned_gates"} if self.learned_gates else ())
+            # Its attention runs in its own op, not SGLang's backends: none of the signals recorded
+            # there. The op hands a decode step its attention weights -- offered on the dense cells,
+            # where the per-head baselines (online H2O, KeyDiff) run as the paper compares them.
+            return frozenset({"learned_gates"} if self.learned_gates else {"decode_attention_weights"})
         # "queries": the context's own query statistics (TriAttention); "reconstruction": KVzip's
         # second, context-repeating pass. Any attention model can produce both.
         signals = {"keys", "values", "attention", "queries", "reconstruction"}

@@ -23,6 +23,7 @@ import torch
 from sglang_kvx.compact.gate_fold import FoldedRow, fold_row
 from sglang_kvx.decode import DecodeSettings, DecodeStep, Span
 from sglang_kvx.ports import KVPool, Request
+from sglang_kvx.serve.head_eviction import HeadKeep, KeysOf
 from sglang_kvx.store import CompactedContext, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,12 @@ class DecodeRow:
     fold: FoldedRow | None = None  # learned-gate eviction: the row's re-folded stretch
     kv_len: int = 0  # keys its last decode step read (learned-gate eviction's counts)
     counted_len: int = -1  # the kv_len its gate_deleted counts are for
+    heads: HeadKeep | None = None  # per-head eviction (online H2O, KeyDiff): what each head keeps
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
+        if self.step.evicts_per_head:
+            self.heads = HeadKeep(self.step, self.num_layers)
 
     def hidden(self, layer: int, seq_len: int) -> tuple[int, int]:
         return _union(self.dropped[layer], self.span.hidden(seq_len))
@@ -92,6 +96,9 @@ class DecodeRunner:
         self.gate_deleted_prefill = [0] * pool.num_layers
         self.gate_deleted_decode = [0] * pool.num_layers
         self.gate_rows = 0
+        # Per-head eviction (online H2O, KeyDiff), over finished requests: entries evicted, over layers and heads.
+        self.head_rows_done = 0
+        self.head_evicted = 0
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -176,6 +183,48 @@ class DecodeRunner:
         for i in self.routed(rows):
             self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
 
+    # --- per-head eviction, driven by the attention backend one layer at a time ------------
+
+    def per_head(self, rows: list[int]) -> dict[int, DecodeRow]:
+        """Batch index -> the row's state, for rows whose step evicts per head."""
+        return {i: state for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.heads is not None}
+
+    def head_prefill(self, layer: int, rows: dict[int, DecodeRow], weights: dict[int, torch.Tensor | None]) -> None:
+        """A prefill (chunk) ran in ``layer``: what its queries paid each entry counts."""
+        for i, state in rows.items():
+            if weights.get(i) is not None:
+                self._contain(state, lambda: state.heads.add_attention(layer, weights[i]))
+
+    def head_masks(self, layer: int, rows: dict[int, DecodeRow], seq_lens: list[int], keys_of: KeysOf) -> dict[int, torch.Tensor]:
+        """Batch index -> [H, seq_len] what each head of the row reads at this decode step in ``layer``."""
+        masks = {}
+        for i, state in rows.items():
+            mask = self._contain(state, lambda: state.heads.mask(layer, seq_lens[i], lambda n: keys_of(i, n)))
+            if mask is not None:
+                masks[i] = mask
+        return masks
+
+    def head_after_step(self, layer: int, rows: dict[int, DecodeRow], seq_lens: list[int],
+                        weights: dict[int, torch.Tensor | None], keys_of: KeysOf) -> None:
+        for i, state in rows.items():
+            if not state.failed:
+                self._contain(state, lambda: state.heads.after_step(layer, seq_lens[i], weights.get(i),
+                                                                    lambda n: keys_of(i, n)))
+
+    def _contain(self, state: DecodeRow, work: Callable):
+        try:
+            return work()
+        except Exception as exc:  # noqa: BLE001 - contained to the row's request
+            self._fail(state, exc)
+            return None
+
+    def head_summary(self, state: DecodeRow) -> dict:
+        heads, seq_len = state.heads, state.kv_len or len(state.request.input_ids)
+        live = heads.live_per_layer(seq_len)
+        return {"decode": state.step.name, "budget": state.step.budget,
+                "live_entries_per_layer": {str(layer): round(n, 3) for layer, n in enumerate(live)},
+                "evicted_entries": sum(heads.evicted)}
+
     def gate_thresholds(self, rows: list[int]) -> list[float | None]:
         """Each row's learned-gate threshold (None for rows without such a step, or whose step failed)."""
         taus = []
@@ -258,6 +307,8 @@ class DecodeRunner:
         self.count_gate_deletions(state, row)
         if state.gate_deleted:
             return self.gate_summary(state)
+        if state.heads is not None:
+            return self.head_summary(state)
         if not state.step.reads_hidden:
             return None
         routed = state.steps
@@ -348,6 +399,9 @@ class DecodeRunner:
         state = self.rows.pop(row, None)
         if state is not None and state.fold is not None:
             self.pool.free(state.fold.slots)
+        if state is not None and state.heads is not None:
+            self.head_rows_done += 1
+            self.head_evicted += sum(state.heads.evicted)
         if state is not None and state.gate_deleted:
             self.gate_rows += 1
             for index, (prefill, decode, _live) in state.gate_deleted.items():

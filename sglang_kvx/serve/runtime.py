@@ -20,6 +20,7 @@ import torch
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
+from sglang_kvx.decode import DECODE_STEPS
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
@@ -92,8 +93,9 @@ class Runtime:
 
     def before_round(self, request: Request) -> str | None:
         """Before SGLang matches a request's prefix: CHILD (its prefix comes from the store), WHOLE (a
-        parent whose policy records signals inside the prefill: it must prefill its whole context,
-        whatever the prefix cache holds, or its signals would cover only the uncached part), or None.
+        parent whose policy records signals inside the prefill, or a request whose decode step reads
+        the prefill's attention: it must prefill its whole context, whatever the prefix cache holds,
+        or its signals would cover only the uncached part), or None.
         An exception here is contained to the request: it gets an error, the scheduler goes on."""
         try:
             return self._plan_round(request)
@@ -124,6 +126,9 @@ class Runtime:
         if (state is not None and state.parent and state.settings is not None and not request.holds_kv
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
+        if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
+                and DECODE_STEPS[state.decode.step].reads_attention):
+            return WHOLE  # online H2O scores each entry by what every query of the context paid it
         return None
 
     def _shared_prefix(self, request: Request, state: RequestState) -> None:
@@ -338,6 +343,8 @@ class Runtime:
             "gate_folds": self.decode.folds,
             "gate_folds_skipped_no_room": self.decode.folds_skipped,
             "gate_freed_bytes": self.decode.fold_freed_slots * self.pool.bytes_per_entry * self.pool.num_layers,
+            "head_eviction_finished": self.decode.head_rows_done,  # finished requests under online H2O / KeyDiff
+            "head_evicted_entries": self.decode.head_evicted,  # ... entries they evicted, over layers and heads
             "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
             "auto_contexts_queued": self.auto_contexts,
         }
@@ -352,7 +359,10 @@ class Runtime:
                              and "routed_steps" in s],
             # Running requests under learned-gate eviction: live entries per layer, deleted, folded.
             "gate_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
-                              and "live_entries_per_layer" in s],
+                              and "tau" in s],
+            # Running requests under per-head eviction (online H2O, KeyDiff): mean live entries per head.
+            "head_eviction_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
+                                       and "budget" in s],
             # Learned-gate eviction: per attention layer, entries deleted after the prefill and during decode.
             "gate_deleted_per_layer": [{"prefill": p, "decode": d} for p, d in
                                        zip(self.decode.gate_deleted_prefill, self.decode.gate_deleted_decode)],

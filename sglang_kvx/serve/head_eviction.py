@@ -1,0 +1,85 @@
+"""Per-head eviction during decode, for the rows of one scheduler (``h2o`` and ``keydiff`` decode steps).
+
+A row whose step ``evicts_per_head`` holds, per attention layer, which entries each KV head keeps
+and (steps that ``read_attention``) the attention each entry was paid so far. The attention
+backend drives it, one layer at a time: in a prefill it hands over the weights its queries paid
+(``prefill_weights``); in a decode step it asks for each row's keep mask (``masks``: the kept
+entries plus the step's own), then hands over the step's weights (``after_step``): the step's entry
+joins, and a head over its budget evicts the entry the step names. Evicted entries leave attention
+at once; their slots stay (every head's key shares one slot) until the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from sglang_kvx.decode import DecodeStep
+
+KeysOf = Callable[[int, int], torch.Tensor]  # (batch index, length) -> that row's first keys [H, length, D]
+
+
+def _grown(t: torch.Tensor | None, heads: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``t`` with room for ``length`` positions (doubling), zero-filled past what it held."""
+    if t is not None and t.shape[1] >= length:
+        return t
+    out = torch.zeros((heads, max(length, 2 * (t.shape[1] if t is not None else 0), 64)), dtype=dtype, device=device)
+    if t is not None:
+        out[:, : t.shape[1]] = t
+    return out
+
+
+@dataclass
+class HeadKeep:
+    """One row's per-head state, per attention layer (None until the layer needs it)."""
+
+    step: DecodeStep
+    num_layers: int
+    keep: list[torch.Tensor | None] = field(default_factory=list)  # [H, capacity] bool, from the first decode step
+    attention: list[torch.Tensor | None] = field(default_factory=list)  # [H, capacity] float32 (reads_attention)
+    evicted: list[int] = field(default_factory=list)  # entries evicted per layer, over its heads
+
+    def __post_init__(self) -> None:
+        self.keep = [None] * self.num_layers
+        self.attention = [None] * self.num_layers
+        self.evicted = [0] * self.num_layers
+
+    def add_attention(self, layer: int, weights: torch.Tensor) -> None:
+        heads, length = weights.shape
+        self.attention[layer] = _grown(self.attention[layer], heads, length, torch.float32, weights.device)
+        self.attention[layer][:, :length] += weights.float()
+
+    def mask(self, layer: int, seq_len: int, keys_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """What each head reads at a decode step with ``seq_len`` keys: its kept entries and the step's own."""
+        if self.keep[layer] is None:  # the first decode step: the prefill's entries are cut to the budget
+            keys = keys_of(seq_len - 1)
+            attention = self.attention[layer][:, : seq_len - 1] if self.step.reads_attention else None
+            if self.step.reads_attention and (attention is None or attention.shape[1] < seq_len - 1):
+                raise RuntimeError(f"decode step {self.step.name!r}: no prefill attention for layer {layer}")
+            first = self.step.first_keep(keys.float(), attention)
+            self.keep[layer] = _grown(first, first.shape[0], seq_len, torch.bool, first.device)
+            self.evicted[layer] += int((~first).sum())
+        keep = self.keep[layer] = _grown(self.keep[layer], self.keep[layer].shape[0], seq_len, torch.bool,
+                                         self.keep[layer].device)
+        mask = keep[:, :seq_len].clone()
+        mask[:, seq_len - 1] = True
+        return mask
+
+    def after_step(self, layer: int, seq_len: int, weights: torch.Tensor | None,
+                   keys_of: Callable[[int], torch.Tensor]) -> None:
+        """The step at position ``seq_len - 1`` ran: its weights count, its entry joins, a head over budget evicts."""
+        if self.step.reads_attention:
+            self.add_attention(layer, weights)
+        keep = self.keep[layer]
+        keep[:, seq_len - 1] = True
+        if int(keep[0, :seq_len].sum()) > self.step.budget:  # every head holds the same count
+            attention = self.attention[layer][:, :seq_len] if self.step.reads_attention else None
+            victim = self.step.victim(keys_of(seq_len).float(), keep[:, :seq_len], attention, seq_len - 1)
+            keep[torch.arange(keep.shape[0], device=keep.device), victim.to(keep.device)] = False
+            self.evicted[layer] += keep.shape[0]
+
+    def live_per_layer(self, seq_len: int) -> list[float]:
+        """Entries each layer's heads hold on average (all of them where no decode step ran yet)."""
+        return [float(k[:, :seq_len].sum(1).float().mean()) if k is not None else float(seq_len) for k in self.keep]

@@ -1,0 +1,117 @@
+"""Online H2O and KeyDiff served as decode steps (``h2o``, ``keydiff``) against the HF oracle.
+
+The learned-gate paper's post-hoc baselines, served on the dense (no-gate) cells of the family
+through the ``kvx_gated`` backend, each attention kind once. The oracle is the transformers model
+applying the protocol's own rules (``reference/gated.py: h2o_rule, keydiff_rule``) in one
+teacher-forced forward over the prompt and the server's tokens: every greedy token must be its
+argmax, every log-probability within 1e-4 (float32), through 128 decode steps, with each head over
+its budget evicting at every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kvx.models.gated import KvxGatedForCausalLM, register
+from sglang_kvx.reference.gated import h2o_rule, keydiff_rule
+from sglang_kvx.serve.launcher import ServerProcess
+
+from gated_cells import cell_path, split_prompt
+
+CELLS = ("sigmoid-rope-none", "softmax-nope-none")
+PROMPT_LEN, NEW_TOKENS = 200, 128
+
+
+@pytest.fixture(scope="module", params=CELLS)
+def dense_server(request):
+    cell = request.param
+    server = ServerProcess(cell_path(cell), "--dtype", "float32", "--kvx-decode-steps", "on", max_total_tokens=4096)
+    server.start()
+    register()
+    model = KvxGatedForCausalLM.from_pretrained(cell_path(cell), dtype=torch.float32).eval()
+    yield cell, server, model
+    server.stop()
+
+
+def generate(server: ServerProcess, ids: list[int], decode: dict | None, new_tokens: int = NEW_TOKENS) -> dict:
+    payload = {"input_ids": ids, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    if decode is not None:
+        payload["sampling_params"]["custom_params"] = {"kvx": {"decode": decode}}
+    response = server.generate(payload)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@torch.no_grad()
+def oracle_logprobs(model: KvxGatedForCausalLM, prompt: list[int], output: list[int], rule) -> torch.Tensor:
+    out = model(torch.tensor([prompt + output[:-1]]), keep_fns=[rule] * model.config.num_hidden_layers)
+    return torch.log_softmax(out.logits[0, len(prompt) - 1 :].float(), dim=-1)
+
+
+@pytest.mark.parametrize("step,budget", [("h2o", 64), ("keydiff", 64), ("h2o", 256)])
+def test_served_tokens_and_logprobs_match_the_oracle(dense_server, step, budget) -> None:
+    cell, server, model = dense_server
+    prompt = split_prompt(cell, PROMPT_LEN)
+    result = generate(server, prompt, {"step": step, "budget": budget})
+    output = result["output_ids"]
+    served = torch.tensor([lp[0] for lp in result["meta_info"]["output_token_logprobs"]])
+    kind = model.config.attention
+    rule = h2o_rule(budget, len(prompt), kind) if step == "h2o" else keydiff_rule(budget, len(prompt))
+    logprobs = oracle_logprobs(model, prompt, output, rule)
+    assert logprobs.argmax(-1).tolist() == output  # greedy tokens
+    want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
+    assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
+    # Each head holds its budget (or everything, below it) after the last step.
+    report = result["meta_info"]["kvx"][0]
+    cached = len(prompt) + NEW_TOKENS - 1
+    assert report["decode"] == step and report["budget"] == budget
+    layers = model.config.num_hidden_layers
+    assert report["live_entries_per_layer"] == {str(l): float(min(budget, cached)) for l in range(layers)}
+    assert report["evicted_entries"] == max(cached - budget, 0) * layers * model.config.num_attention_heads
+
+
+def test_eviction_changes_what_is_generated(dense_server) -> None:
+    """The budget reaches attention: a small one gives other log-probabilities than a full cache
+    (and the oracle above agrees with each)."""
+    cell, server, _ = dense_server
+    prompt = split_prompt(cell, PROMPT_LEN)[:150]
+    full = generate(server, prompt, None, 32)["meta_info"]["output_token_logprobs"]
+    for step in ("h2o", "keydiff"):
+        small = generate(server, prompt, {"step": step, "budget": 16}, 32)["meta_info"]["output_token_logprobs"]
+        assert [lp[0] for lp in full] != [lp[0] for lp in small]
+
+
+def test_h2o_prefills_its_whole_context_and_the_pool_balances(dense_server) -> None:
+    """H2O scores every entry by what all the context's queries paid it, so a request repeating a
+    cached prompt still prefills it whole (and gets the uncached answer); nothing leaks."""
+    cell, server, _ = dense_server
+    prompt = split_prompt(cell, PROMPT_LEN)[:120]
+    decode = {"step": "h2o", "budget": 32}
+    first = generate(server, prompt, decode, 16)
+    again = generate(server, prompt, decode, 16)
+    assert again["meta_info"]["cached_tokens"] == 0
+    assert [lp[0] for lp in again["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [lp[0] for lp in first["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    stats = server.stats()
+    assert stats["head_eviction_finished"] >= 2 and stats["head_evicted_entries"] > 0
+    assert stats["head_eviction_requests"] == []
+    server.flush()
+    idle = server.stats()
+    assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]
+
+
+@pytest.mark.parametrize("decode,message", [
+    ({"step": "h2o", "budget": 1}, "budget must be >= 2"),
+    ({"step": "keydiff", "budget": 0}, "budget must be >= 1"),
+    ({"step": "h2o", "budget": "all"}, "custom_params.kvx.decode.budget must be a whole number"),
+    ({"step": "sigmoid-gate", "tau": 0.1}, "needs learned_gates, which this model does not provide"),
+])
+def test_bad_settings_are_refused_and_the_server_keeps_serving(dense_server, decode, message) -> None:
+    cell, server, _ = dense_server
+    payload = {"input_ids": split_prompt(cell, 20),
+               "sampling_params": {"max_new_tokens": 2, "custom_params": {"kvx": {"decode": decode}}}}
+    response = server.generate(payload)
+    assert response.status_code == 400 and message in response.text, response.text
+    assert generate(server, split_prompt(cell, 20), None, 4)["meta_info"]["completion_tokens"] == 4
