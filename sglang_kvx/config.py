@@ -25,7 +25,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
     "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
-    "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules)."),
+    "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules, On-Demand Attention, learned-gate and online H2O / KeyDiff eviction)."),
     "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
     "kvx_auto_context_min_tokens": ("0", "Compact, unasked, the beginning plain requests keep repeating once it is at least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); 0 = off (such prefixes are only logged)."),
     "kvx_oda_head": ("", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in <model>/oda or weights/oda/<model folder name>)."),

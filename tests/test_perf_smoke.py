@@ -112,3 +112,9 @@ def test_bench_gate_decode_smoke():
     result = run_bench("bench_gate_decode.py", "--new-tokens", "80", "--repeats", "1", "--tau", "0.1")
     has(result, "decode_seconds_per_step", "gate_vs_plain", "gate_report", "memory")
     assert result["gate_report"]["folds"] == 1 and result["memory"]["pool_bytes_peak"]["gate"] > 0
+
+
+def test_bench_head_decode_smoke():
+    result = run_bench("bench_head_decode.py", "--prompt", "100", "--new-tokens", "20", "--repeats", "1", "--budget", "32")
+    has(result, "decode_seconds_per_step", "h2o_vs_plain", "keydiff_vs_plain", "reports", "pool_bytes_peak")
+    assert result["reports"]["h2o"]["evicted_entries"] > 0 and result["reports"]["keydiff"]["budget"] == 32
