@@ -62,6 +62,30 @@ def stream(url: str, body: dict) -> tuple[float, dict, int]:
     return seconds, last, peak[0]
 
 
+def run_arms(path: Path, prompt: list[int], arms: dict[str, dict | None], new_tokens: int,
+             repeats: int) -> tuple[dict[str, list[float]], dict, dict[str, int], dict]:
+    """One server (``--kvx-decode-steps on``, context stretched to fit); each arm's decode step
+    (None: plain) greedy over ``prompt``, the arms interleaved over ``repeats`` rounds, the prefix
+    cache flushed before each. Returns each arm's seconds per step per round, its last report, the
+    pool's peak used KV bytes while it ran, and the server's final ``/kvx/stats``."""
+    context = len(prompt) + new_tokens + 8
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    reports, peaks = {}, {}
+    with ServerProcess(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
+                       max_total_tokens=2 * context, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as server:
+        for _ in range(repeats):
+            for arm, decode in arms.items():
+                server.flush()
+                sampling = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+                if decode is not None:
+                    sampling["custom_params"] = {"kvx": {"decode": decode}}
+                seconds, last, peak = stream(server.url, {"input_ids": prompt, "sampling_params": sampling})
+                times[arm].append(seconds)
+                reports[arm] = (last["meta_info"].get("kvx") or [None])[-1]
+                peaks[arm] = max(peaks.get(arm, 0), peak)
+        return times, reports, peaks, server.stats()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cell", default="sigmoid-nope-gate", help="a gated cell under weights/gated (default: sigmoid-nope-gate)")
@@ -75,24 +99,9 @@ def main() -> None:
     if tau is None:
         raise SystemExit(f"{path} has no frozen tau; pass --tau or run perf/bench_gate_eviction.py --write-tau")
     prompt = split_windows(path, "test", length=args.prompt, limit=1)[0].tolist()
-    context = args.prompt + args.new_tokens + 8
     arms = {"plain": None, "gate_tau0": {"step": "sigmoid-gate", "tau": 0.0}, "gate": {"step": "sigmoid-gate", "tau": tau}}
-    times: dict[str, list[float]] = {arm: [] for arm in arms}
-    reports, peaks = {}, {}
-    with ServerProcess(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
-                       max_total_tokens=2 * context, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as server:
-        for _ in range(args.repeats):
-            for arm, decode in arms.items():
-                server.flush()
-                sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-                if decode is not None:
-                    sampling["custom_params"] = {"kvx": {"decode": decode}}
-                seconds, last, peak = stream(server.url, {"input_ids": prompt, "sampling_params": sampling})
-                times[arm].append(seconds)
-                reports[arm] = (last["meta_info"].get("kvx") or [None])[-1]
-                peaks[arm] = max(peaks.get(arm, 0), peak)
-        stats = server.stats()
-        bytes_per_entry = stats["kv_bytes_total"] // stats["kv_pool_total_tokens"]  # one position, all layers
+    times, reports, peaks, stats = run_arms(path, prompt, arms, args.new_tokens, args.repeats)
+    bytes_per_entry = stats["kv_bytes_total"] // stats["kv_pool_total_tokens"]  # one position, all layers
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     cached = args.prompt + args.new_tokens - 1
     report = reports["gate"]

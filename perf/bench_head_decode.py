@@ -24,10 +24,9 @@ import json
 import statistics
 from pathlib import Path
 
-from bench_gate_decode import stream  # perf/ is on the path when run as a script
+from bench_gate_decode import run_arms  # perf/ is on the path when run as a script
 
 from sglang_kvx.eval.gate_eviction import split_windows
-from sglang_kvx.serve.launcher import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,23 +41,9 @@ def main() -> None:
     args = parser.parse_args()
     path = ROOT / "weights" / "gated" / args.cell
     prompt = split_windows(path, "test", length=args.prompt, limit=1)[0].tolist()
-    context = args.prompt + args.new_tokens + 8
     arms = {"plain": None, "h2o": {"step": "h2o", "budget": args.budget},
             "keydiff": {"step": "keydiff", "budget": args.budget}}
-    times: dict[str, list[float]] = {arm: [] for arm in arms}
-    reports, peaks = {}, {}
-    with ServerProcess(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
-                       max_total_tokens=2 * context, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as server:
-        for _ in range(args.repeats):
-            for arm, decode in arms.items():
-                server.flush()
-                sampling = {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-                if decode is not None:
-                    sampling["custom_params"] = {"kvx": {"decode": decode}}
-                seconds, last, peak = stream(server.url, {"input_ids": prompt, "sampling_params": sampling})
-                times[arm].append(seconds)
-                reports[arm] = (last["meta_info"].get("kvx") or [None])[-1]
-                peaks[arm] = max(peaks.get(arm, 0), peak)
+    times, reports, peaks, _ = run_arms(path, prompt, arms, args.new_tokens, args.repeats)
     median = {arm: statistics.median(values) for arm, values in times.items()}
     print(json.dumps({
         "cell": args.cell, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "budget": args.budget,

@@ -24,3 +24,14 @@ def split_prompt(cell: str, length: int) -> list[int]:
     ids = AutoTokenizer.from_pretrained(cell_path(cell)).encode(text, add_special_tokens=False)
     assert len(ids) >= length
     return ids[:length]
+
+
+def generate(server, ids: list[int], decode: dict | None, new_tokens: int) -> dict:
+    """Greedy generation with log-probabilities, under ``decode`` (None: the server's own step)."""
+    payload = {"input_ids": ids, "return_logprob": True,
+               "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    if decode is not None:
+        payload["sampling_params"]["custom_params"] = {"kvx": {"decode": decode}}
+    response = server.generate(payload)
+    assert response.status_code == 200, response.text
+    return response.json()

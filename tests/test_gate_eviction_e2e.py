@@ -20,6 +20,7 @@ from sglang_kvx.reference.gated import gate_rule, live_entries
 from sglang_kvx.serve.launcher import ServerProcess
 
 from gated_cells import cell_path
+from gated_cells import generate as generate_greedy
 from gated_cells import split_prompt as read_test_prompt
 
 CELLS = ("sigmoid-rope-gate", "softmax-nope-gate")
@@ -44,13 +45,7 @@ def gated_server(request):
 
 
 def generate(server: ServerProcess, ids: list[int], decode: dict | None = None) -> dict:
-    payload = {"input_ids": ids, "return_logprob": True,
-               "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-    if decode is not None:
-        payload["sampling_params"]["custom_params"] = {"kvx": {"decode": decode}}
-    response = server.generate(payload)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return generate_greedy(server, ids, decode, NEW_TOKENS)
 
 
 @torch.no_grad()

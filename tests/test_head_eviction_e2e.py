@@ -18,6 +18,7 @@ from sglang_kvx.reference.gated import h2o_rule, keydiff_rule
 from sglang_kvx.serve.launcher import ServerProcess
 
 from gated_cells import cell_path, split_prompt
+from gated_cells import generate as generate_greedy
 
 CELLS = ("sigmoid-rope-none", "softmax-nope-none")
 PROMPT_LEN, NEW_TOKENS = 200, 128
@@ -35,13 +36,7 @@ def dense_server(request):
 
 
 def generate(server: ServerProcess, ids: list[int], decode: dict | None, new_tokens: int = NEW_TOKENS) -> dict:
-    payload = {"input_ids": ids, "return_logprob": True,
-               "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
-    if decode is not None:
-        payload["sampling_params"]["custom_params"] = {"kvx": {"decode": decode}}
-    response = server.generate(payload)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return generate_greedy(server, ids, decode, new_tokens)
 
 
 @torch.no_grad()
