@@ -1,0 +1,159 @@
+"""Block-sparse attention over SGLang's paged KV: compressed block keys, the indexer's block
+selection, and exact attention over the selected blocks (issue 17; GateSight's seed Sec. 5.4 and
+App. H, where a sparse cache indexes one compressed key per four-token block).
+
+A **block** is up to ``BLOCK`` (4) cache entries, named by their pool slots: ``block_slots [NB, 4]``
+(-1 pads a partial block) with each entry's position ``block_positions [NB, 4]`` (causality). A
+row's blocks in position order are consecutive runs of ``req_to_token``; after compaction the kept
+entries of each KV head, already a dense run of rank slots, are regrouped into new blocks the
+same way (QSA), so the index shrinks from n/4 to about p*n/4 blocks.
+
+1. ``compress_blocks``: a block's compressed key per KV head is the **mean of its keys** (as
+   cached, after RoPE). Training-free: q . mean(k) is the mean of the block's logits q . k, so the
+   indexer ranks blocks by their average attention logit, which a model trained without an indexer
+   already gives meaning to (NSA and DSA learn a compression and an indexer instead; we have no
+   sparse-trained checkpoint to learn them from).
+2. ``select_blocks``: per query and KV head, the indexer scores every block the query may see
+   (``block_from[n] <= b < block_to[n]``; the last one is the query's own, local block) by the sum
+   over the head's query group of ``scaling * q . c_b``, and keeps the first ``sink_blocks`` and the
+   local block plus the best others, ``budget_blocks`` in all. Returns global block ids
+   ``[N, Hkv, budget_blocks]`` in ascending order, -1 padded when fewer blocks are visible.
+3. ``block_sparse_attention``: exact softmax attention of each query head over the entries of its
+   KV head's selected blocks with ``position <= q_position``.
+
+Each op has a torch reference (the source of truth) and a Triton kernel behind one dispatch
+(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton; auto: Triton on CUDA). On CUDA the
+selected blocks are also the page list of a page-size-4 paged FlashInfer wrapper; that path needs
+a GPU to be shown right and is a seam here. Math in float32; outputs in q's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BLOCK = 4  # entries per block (the seed's four-token blocks)
+_IMPLS = ("auto", "torch", "triton")
+
+
+def _use_triton(impl: str | None, device: torch.device) -> bool:
+    impl = impl or os.environ.get("SGLANG_KVX_BLOCK_SPARSE_IMPL", "auto")
+    if impl not in _IMPLS:
+        raise ValueError(f"SGLANG_KVX_BLOCK_SPARSE_IMPL must be one of {_IMPLS}, got {impl!r}")
+    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+
+
+def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group a run of entries (pool ``slots`` [n], in order) into blocks of ``BLOCK``: (block_slots,
+    block_positions), each [ceil(n / 4), 4], -1 padded. ``positions`` default to 0 .. n - 1."""
+    n = slots.numel()
+    if positions is None:
+        positions = torch.arange(n, device=slots.device)
+    padded = -(-n // BLOCK) * BLOCK
+    block_slots = torch.full((padded,), -1, dtype=torch.long, device=slots.device)
+    block_positions = torch.full((padded,), -1, dtype=torch.long, device=slots.device)
+    block_slots[:n] = slots.long()
+    block_positions[:n] = positions.long()
+    return block_slots.view(-1, BLOCK), block_positions.view(-1, BLOCK)
+
+
+def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
+    """[NB, Hkv, D] float32: the mean key of each block's entries, per KV head."""
+    valid = block_slots >= 0  # [NB, 4]
+    keys = k_cache[block_slots.clamp(min=0)].float()  # [NB, 4, Hkv, D]
+    keys = keys * valid[:, :, None, None]
+    return keys.sum(1) / valid.sum(1).clamp(min=1)[:, None, None]
+
+
+def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    if _use_triton(impl, k_cache.device):
+        from sglang_kvx.ops.triton_block_sparse import compress_blocks_triton
+
+        return compress_blocks_triton(k_cache, block_slots)
+    return compress_blocks_reference(k_cache, block_slots)
+
+
+def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
+                           block_to: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[N, Hkv, W] the indexer's score of each query's visible blocks ``block_from[n] + w`` (W the
+    widest span; -inf past a query's own), summed over each KV head's query group."""
+    num_q, num_heads, _ = q.shape
+    kv_heads = block_keys.shape[1]
+    width = int((block_to - block_from).max()) if num_q else 0
+    w = torch.arange(width, device=q.device)
+    ids = block_from[:, None].long() + w[None, :]  # [N, W]
+    visible = ids < block_to[:, None].long()
+    keys = block_keys[ids.clamp(max=block_keys.shape[0] - 1)].float()  # [N, W, Hkv, D]
+    grouped = q.float().view(num_q, kv_heads, num_heads // kv_heads, -1).sum(2)  # the group's summed query
+    scores = torch.einsum("nhd,nwhd->nhw", grouped, keys) * scaling
+    return scores.masked_fill(~visible[:, None, :], float("-inf"))
+
+
+def _pick(scores: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor, budget_blocks: int,
+          sink_blocks: int) -> torch.Tensor:
+    """Sinks and the local block forced, then the best scores, ``budget_blocks`` in all, ascending ids."""
+    num_q, kv_heads, width = scores.shape
+    span = (block_to - block_from).long()
+    w = torch.arange(width, device=scores.device)
+    forced = (w[None, :] < min(sink_blocks, budget_blocks)) | (w[None, :] == span[:, None] - 1)  # [N, W]
+    visible = w[None, :] < span[:, None]
+    ranked = scores.masked_fill(forced[:, None, :] & visible[:, None, :], float("inf"))
+    k = min(budget_blocks, width)
+    top = ranked.topk(k, dim=-1)
+    chosen = torch.where(top.values > float("-inf"), top.indices + block_from[:, None, None].long(), -1)
+    chosen = chosen.masked_fill(chosen < 0, torch.iinfo(torch.long).max).sort(dim=-1).values
+    chosen = chosen.masked_fill(chosen == torch.iinfo(torch.long).max, -1)
+    if k < budget_blocks:
+        chosen = torch.cat([chosen, chosen.new_full((num_q, kv_heads, budget_blocks - k), -1)], dim=-1)
+    return chosen
+
+
+def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor,
+                  budget_blocks: int, sink_blocks: int, scaling: float, impl: str | None = None) -> torch.Tensor:
+    """[N, Hkv, budget_blocks] the blocks each query's KV head attends to (see the module doc)."""
+    if budget_blocks < sink_blocks + 1:
+        raise ValueError(f"budget_blocks must hold the {sink_blocks} sink blocks and the local one, got {budget_blocks}")
+    if bool((block_to <= block_from).any()):
+        raise ValueError("every query must see at least its own block")
+    if _use_triton(impl, q.device):
+        from sglang_kvx.ops.triton_block_sparse import block_scores_triton
+
+        scores = block_scores_triton(q, block_keys, block_from, block_to, scaling)
+    else:
+        scores = block_scores_reference(q, block_keys, block_from, block_to, scaling)
+    return _pick(scores, block_from, block_to, budget_blocks, sink_blocks)
+
+
+def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     block_slots: torch.Tensor, block_positions: torch.Tensor,
+                                     selected: torch.Tensor, q_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+    num_q, num_heads, _ = q.shape
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    ids = selected.clamp(min=0)  # [N, Hkv, K]
+    slots = block_slots[ids].flatten(2)  # [N, Hkv, K * 4]
+    positions = block_positions[ids].flatten(2)
+    visible = (selected >= 0).repeat_interleave(BLOCK, dim=-1) & (slots >= 0) & (positions <= q_positions[:, None, None])
+    head = torch.arange(kv_heads, device=q.device)[None, :, None]
+    keys = k_cache[slots.clamp(min=0), head].float()  # [N, Hkv, K * 4, D]
+    values = v_cache[slots.clamp(min=0), head].float()
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    visible = visible.repeat_interleave(group, dim=1)
+    z = torch.einsum("nhd,nhkd->nhk", q.float(), keys) * scaling
+    a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.einsum("nhk,nhkd->nhd", a, values).to(q.dtype)
+
+
+def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_slots: torch.Tensor,
+                           block_positions: torch.Tensor, selected: torch.Tensor, q_positions: torch.Tensor,
+                           scaling: float, impl: str | None = None) -> torch.Tensor:
+    """[N, Hq, Dv]: each query head over its KV head's selected blocks (entries at or before it)."""
+    if _use_triton(impl, q.device):
+        from sglang_kvx.ops.triton_block_sparse import block_sparse_attention_triton
+
+        return block_sparse_attention_triton(q, k_cache, v_cache, block_slots, block_positions, selected,
+                                             q_positions, scaling)
+    return block_sparse_attention_reference(q, k_cache, v_cache, block_slots, block_positions, selected,
+                                            q_positions, scaling)

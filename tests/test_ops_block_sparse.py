@@ -1,0 +1,158 @@
+"""Block-sparse attention ops (``ops/block_sparse.py``) against brute force.
+
+Compressed keys against a hand-made mean; the indexer's block choice checked by hand on small
+shapes; attention over the chosen blocks against ``F.scaled_dot_product_attention`` over the same
+tokens gathered by hand; with a budget as large as the context, dense causal attention exactly.
+The Triton kernels against the references under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_kvx.ops.block_sparse import (
+    BLOCK,
+    block_sparse_attention,
+    compress_blocks,
+    row_blocks,
+    select_blocks,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_row(seed: int, n: int = 29, heads: int = 4, kv_heads: int = 2, dim: int = 8, queries: int = 6) -> dict:
+    """One row of ``n`` entries scattered over a pool, its blocks in position order, and its last
+    ``queries`` positions as queries (a prefill chunk; the last one is a decode step's query)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = n + 11
+    slots = torch.randperm(pool - 1, generator=gen)[:n] + 1
+    block_slots, block_positions = row_blocks(slots)
+    q_positions = torch.arange(n - queries, n)
+    return dict(
+        q=torch.randn(queries, heads, dim, generator=gen),
+        k_cache=torch.randn(pool, kv_heads, dim, generator=gen),
+        v_cache=torch.randn(pool, kv_heads, dim, generator=gen),
+        slots=slots, block_slots=block_slots, block_positions=block_positions, q_positions=q_positions,
+        block_from=torch.zeros(queries, dtype=torch.long), block_to=q_positions // BLOCK + 1, scaling=dim ** -0.5,
+    )
+
+
+def test_row_blocks_and_compressed_keys_are_block_means() -> None:
+    case = random_row(0)
+    assert case["block_slots"].shape == (8, BLOCK)  # ceil(29 / 4)
+    assert case["block_slots"][-1].tolist()[1:] == [-1, -1, -1]  # the partial last block
+    got = compress_blocks(case["k_cache"], case["block_slots"])
+    for b in range(8):
+        entries = case["slots"][b * BLOCK : (b + 1) * BLOCK]
+        assert torch.allclose(got[b], case["k_cache"][entries].mean(0), atol=1e-6)
+
+
+def test_the_indexer_picks_sinks_the_local_block_and_the_best_others_by_hand() -> None:
+    # One KV head, one query head, dim 2; block b's keys all equal (b_score, 0) so its compressed
+    # key is exactly that: the query (1, 0) scores block b by b_score.
+    block_scores = [0.0, 5.0, -1.0, 3.0, 9.0, 2.0, -4.0, 1.0]
+    k_cache = torch.zeros(1 + 8 * BLOCK, 1, 2)
+    for b, score in enumerate(block_scores):
+        k_cache[1 + b * BLOCK : 1 + (b + 1) * BLOCK, 0, 0] = score
+    slots = torch.arange(1, 1 + 8 * BLOCK)
+    block_slots, _ = row_blocks(slots)
+    keys = compress_blocks(k_cache, block_slots)
+    q = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]], [[1.0, 0.0]]])
+    # Query 0 sees blocks 0..6 (its own: 6); query 1 sees 0..2 only; query 2 sees 0..7.
+    block_from, block_to = torch.tensor([0, 0, 0]), torch.tensor([7, 3, 8])
+    chosen = select_blocks(q, keys, block_from, block_to, budget_blocks=4, sink_blocks=1, scaling=1.0)
+    assert chosen[0, 0].tolist() == [0, 1, 4, 6]  # sink 0, local 6, best others 4 (9.0), 1 (5.0)
+    assert chosen[1, 0].tolist() == [0, 1, 2, -1]  # fewer visible blocks than the budget: all of them
+    assert chosen[2, 0].tolist() == [0, 1, 4, 7]  # local 7; then 4 (9.0) and 1 (5.0)
+    with pytest.raises(ValueError, match="sink blocks and the local one"):
+        select_blocks(q, keys, block_from, block_to, budget_blocks=1, sink_blocks=1, scaling=1.0)
+
+
+def test_the_indexer_sums_a_kv_heads_query_group() -> None:
+    case = random_row(1)
+    keys = compress_blocks(case["k_cache"], case["block_slots"])
+    chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], budget_blocks=4, sink_blocks=1,
+                           scaling=case["scaling"])
+    for n in range(case["q"].shape[0]):
+        local = int(case["block_to"][n]) - 1
+        for h in range(2):
+            grouped = case["q"][n, 2 * h] + case["q"][n, 2 * h + 1]
+            scores = keys[1:local, h] @ grouped  # the blocks between the sink and the local one
+            best = (scores.topk(2).indices + 1).tolist()
+            assert chosen[n, h].tolist() == sorted([0, local, *best])
+
+
+@pytest.mark.parametrize("budget_blocks", [3, 5])
+def test_attention_over_the_chosen_blocks_is_sdpa_over_those_tokens(budget_blocks) -> None:
+    case = random_row(2)
+    keys = compress_blocks(case["k_cache"], case["block_slots"])
+    chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], budget_blocks, 1, case["scaling"])
+    got = block_sparse_attention(case["q"], case["k_cache"], case["v_cache"], case["block_slots"],
+                                 case["block_positions"], chosen, case["q_positions"], case["scaling"])
+    for n in range(case["q"].shape[0]):
+        for head in range(4):
+            kv_head = head // 2
+            positions = [4 * b + e for b in chosen[n, kv_head].tolist() if b >= 0 for e in range(BLOCK)
+                         if 4 * b + e <= int(case["q_positions"][n])]
+            entries = case["slots"][positions]
+            k = case["k_cache"][entries, kv_head][None, None]
+            v = case["v_cache"][entries, kv_head][None, None]
+            want = F.scaled_dot_product_attention(case["q"][n, head][None, None, None], k, v, scale=case["scaling"])
+            assert torch.allclose(got[n, head], want[0, 0, 0], atol=1e-5)
+    assert (chosen >= 0).sum(-1).max() == budget_blocks  # the budget bites at this length
+
+
+def test_a_budget_as_large_as_the_context_is_dense_causal_attention() -> None:
+    case = random_row(3, n=37, queries=9)
+    keys = compress_blocks(case["k_cache"], case["block_slots"])
+    chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], budget_blocks=10, sink_blocks=1,
+                           scaling=case["scaling"])
+    got = block_sparse_attention(case["q"], case["k_cache"], case["v_cache"], case["block_slots"],
+                                 case["block_positions"], chosen, case["q_positions"], case["scaling"])
+    k = case["k_cache"][case["slots"]].repeat_interleave(2, 1).transpose(0, 1)  # [Hq, n, D]
+    v = case["v_cache"][case["slots"]].repeat_interleave(2, 1).transpose(0, 1)
+    mask = torch.arange(37)[None, :] <= case["q_positions"][:, None]  # [queries, n]
+    want = F.scaled_dot_product_attention(case["q"].transpose(0, 1), k, v, attn_mask=mask, scale=case["scaling"])
+    assert torch.allclose(got, want.transpose(0, 1), atol=1e-6)
+
+
+def test_bad_dispatch_is_refused(monkeypatch) -> None:
+    case = random_row(4)
+    monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "cuda")
+    with pytest.raises(ValueError, match="SGLANG_KVX_BLOCK_SPARSE_IMPL"):
+        compress_blocks(case["k_cache"], case["block_slots"])
+
+
+def test_triton_kernels_match_the_references_under_the_interpreter() -> None:
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from test_ops_block_sparse import random_row\n"
+        "from sglang_kvx.ops.block_sparse import block_sparse_attention, compress_blocks, select_blocks\n"
+        "for seed, n, queries in ((5, 29, 6), (6, 50, 1)):\n"
+        "    c = random_row(seed, n=n, queries=queries)\n"
+        "    keys = {impl: compress_blocks(c['k_cache'], c['block_slots'], impl=impl) for impl in ('torch', 'triton')}\n"
+        "    print('compress', float((keys['torch'] - keys['triton']).abs().max()))\n"
+        "    chosen = {impl: select_blocks(c['q'], keys['torch'], c['block_from'], c['block_to'], 4, 1, c['scaling'],\n"
+        "                                  impl=impl) for impl in ('torch', 'triton')}\n"
+        "    print('select', int((chosen['torch'] != chosen['triton']).sum()))\n"
+        "    out = {impl: block_sparse_attention(c['q'], c['k_cache'], c['v_cache'], c['block_slots'],\n"
+        "                                        c['block_positions'], chosen['torch'], c['q_positions'], c['scaling'],\n"
+        "                                        impl=impl) for impl in ('torch', 'triton')}\n"
+        "    print('attention', float((out['torch'] - out['triton']).abs().max()))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 6, result.stdout
+    for line in lines:
+        name, err = line.split()
+        assert float(err) < 1e-5, line
