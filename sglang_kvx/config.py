@@ -26,9 +26,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
     "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
     "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules, On-Demand Attention, learned-gate and online H2O / KeyDiff eviction)."),
-    "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
+    "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule, sigmoid-gate, h2o, keydiff) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
     "kvx_auto_context_min_tokens": ("0", "Compact, unasked, the beginning plain requests keep repeating once it is at least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); 0 = off (such prefixes are only logged)."),
     "kvx_oda_head": ("", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in <model>/oda or weights/oda/<model folder name>)."),
+    "kvx_sparse_attention": ("0", "Block-sparse attention for every request: each query attends to this many tokens (a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a mean-key indexer; 0 = dense attention."),
     "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
 }
 
@@ -55,11 +56,12 @@ class KvxConfig:
     auto_context_min_tokens: int = 0  # compact repeated plain-request beginnings this long (0 = off)
     min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
     gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (manifest ``tau``)
+    sparse_budget: int = 0  # block-sparse attention: tokens each query attends to (0 = dense)
 
     @property
     def enabled(self) -> bool:
         """Whether the extension acts in this server (else SGLang runs exactly as without it)."""
-        return get_policy(self.policy).compacts or self.decode_steps
+        return get_policy(self.policy).compacts or self.decode_steps or self.sparse_budget > 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,6 +166,16 @@ def parse_count(raw: str | int, flag: str) -> int:
     return value
 
 
+def parse_sparse_budget(raw: str | int) -> int:
+    from sglang_kvx.ops.block_sparse import BLOCK
+
+    budget = parse_count(raw, "--kvx-sparse-attention")
+    if budget and (budget % BLOCK or budget < 2 * BLOCK):
+        raise KvxConfigError(f"--kvx-sparse-attention must be 0 or a multiple of {BLOCK} of at least {2 * BLOCK} "
+                             f"(the first block and a query's own), got {budget}")
+    return budget
+
+
 def parse_on_off(raw: str | bool, flag: str) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -234,6 +246,7 @@ def build_config(
     oda_head: str = "",
     auto_context_min_tokens: str | int = 0,
     attention_backend: str | None = None,
+    sparse_attention: str | int = 0,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -257,7 +270,11 @@ def build_config(
         decode=parse_decode_flag(decode),
         oda_head=find_recall_head(str(model_path or ""), str(oda_head or "")),
         auto_context_min_tokens=parse_count(auto_context_min_tokens, "--kvx-auto-context-min-tokens"),
+        sparse_budget=parse_sparse_budget(sparse_attention),
     )
+    if config.sparse_budget and (policy_cls.compacts or config.decode_steps):
+        raise KvxConfigError("--kvx-sparse-attention serves plain requests only yet: it cannot be combined with "
+                             "--kvx-policy or decode-time steps")
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")
@@ -268,6 +285,9 @@ def build_config(
         except ValueError as exc:
             raise KvxConfigError(str(exc)) from None
     gated = traits is not None and bool(traits.gated_attention)
+    if gated and config.sparse_budget:
+        raise KvxConfigError(f"--kvx-sparse-attention: {traits.architecture} computes its own gated attention, "
+                             f"which has no block-sparse mode")
     if gated and attention_backend not in (None, GATED_ATTENTION_BACKEND):
         raise KvxConfigError(f"{traits.architecture} ({traits.gated_attention} attention with learned gates) needs "
                              f"--attention-backend {GATED_ATTENTION_BACKEND} (the default for it); got {attention_backend!r}")

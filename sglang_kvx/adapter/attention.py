@@ -56,7 +56,19 @@ def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     return masked
 
 
+def _sparse_budget(backend, layer, forward_batch) -> int:
+    """Tokens each query attends to under ``--kvx-sparse-attention`` (0: dense)."""
+    link = link_of(backend)
+    if link is None or layer.is_cross_attention or not link.runtime.config.sparse_budget:
+        return 0
+    if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError("--kvx-sparse-attention with CUDA graphs: launch with --disable-cuda-graph")
+    return link.runtime.config.sparse_budget
+
+
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    if budget := _sparse_budget(self, layer, forward_batch):
+        return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=False, **kwargs)
     masked = _masked_rows(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -64,6 +76,8 @@ def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **k
 
 
 def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+    if budget := _sparse_budget(self, layer, forward_batch):
+        return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=True, **kwargs)
     masked = _masked_rows(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -107,6 +121,36 @@ def has_per_layer_lengths(backend) -> bool:
 KvxTorchNativeAttnBackend = per_layer_lengths_class(TorchNativeAttnBackend)
 
 
+def _check_plain_layer(layer, kwargs, what: str) -> None:
+    unsupported = sorted(name for name, value in kwargs.items() if value is not None)
+    if unsupported:
+        raise NotImplementedError(f"{what} with attention options {unsupported}")
+    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
+        raise NotImplementedError(f"{what} with sliding-window attention")
+    if getattr(layer, "logit_cap", 0) or getattr(layer, "is_cross_attention", False):
+        raise NotImplementedError(f"{what} with logit capping or cross-attention")
+
+
+def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budget: int, decode: bool, **kwargs):
+    """``--kvx-sparse-attention``: every row's queries attend to ``budget`` tokens in four-token
+    blocks (``ops/block_sparse.py``: the first block, the query's own and the indexer's best)."""
+    from sglang_kvx.ops.block_sparse import BLOCK, paged_block_sparse_attention
+
+    _check_plain_layer(layer, kwargs, "block-sparse attention")
+    if any(scale is not None and float(scale) != 1.0 for scale in (layer.k_scale, layer.v_scale)):
+        raise NotImplementedError("block-sparse attention with scaled (quantised) KV caches")
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+    rows = forward_batch.req_pool_indices
+    q_lens = torch.ones_like(forward_batch.seq_lens) if decode else forward_batch.extend_seq_lens
+    num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
+    out = paged_block_sparse_attention(
+        q.reshape(-1, num_heads, head_dim), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+        backend.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens, budget // BLOCK, 1, layer.scaling)
+    return out.reshape(-1, num_heads * layer.v_head_dim)
+
+
 def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked, decode: bool, **kwargs):
     """Exact attention for every row of the batch; a row in ``masked`` reads, in this layer, only
     its own ranks of the compacted prefix plus the cells it borrowed from other layers' buffers.
@@ -114,13 +158,7 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     after RoPE (a borrowed cell holds this layer's raw bytes, so this layer's scales apply).
     A decode batch whose rows each hide one interval runs the windowed decode op (``ops/window_attention.py``:
     FlashInfer or Triton on CUDA); others the prefix-cells op (``ops/prefix_attention.py``); torch references elsewhere."""
-    unsupported = sorted(name for name, value in kwargs.items() if value is not None)
-    if unsupported:
-        raise NotImplementedError(f"per-layer compacted lengths with attention options {unsupported}")
-    if layer.sliding_window_size is not None and layer.sliding_window_size > -1:
-        raise NotImplementedError("per-layer compacted lengths with sliding-window attention")
-    if getattr(layer, "logit_cap", 0) or getattr(layer, "is_cross_attention", False):
-        raise NotImplementedError("per-layer compacted lengths with logit capping or cross-attention")
+    _check_plain_layer(layer, kwargs, "per-layer compacted lengths")
     pool = backend.token_to_kv_pool
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)

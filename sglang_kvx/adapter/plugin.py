@@ -85,6 +85,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             oda_head=getattr(args, "kvx_oda_head", ""),
             auto_context_min_tokens=getattr(args, "kvx_auto_context_min_tokens", "0"),
             attention_backend=getattr(args, "attention_backend", None),
+            sparse_attention=getattr(args, "kvx_sparse_attention", "0"),
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.

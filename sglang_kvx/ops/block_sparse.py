@@ -157,3 +157,29 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                              q_positions, scaling)
     return block_sparse_attention_reference(q, k_cache, v_cache, block_slots, block_positions, selected,
                                             q_positions, scaling)
+
+
+def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                                 q_lens: torch.Tensor, budget_blocks: int, sink_blocks: int, scaling: float,
+                                 impl: str | None = None) -> torch.Tensor:
+    """Block-sparse attention for a batch of SGLang rows: each row's entries ``req_to_token[row,
+    :seq_len]`` grouped into blocks in position order, its last ``q_len`` entries the queries (q
+    [sum q_lens, Hq, D], row after row). The three steps above, one call each for the batch."""
+    slots, positions, block_from, block_to, q_positions = [], [], [], [], []
+    offset = 0
+    device = q.device
+    for row, seq_len, q_len in zip(rows.tolist(), seq_lens.tolist(), q_lens.tolist()):
+        block_slots, block_positions = row_blocks(req_to_token[row, :seq_len].to(device))
+        slots.append(block_slots)
+        positions.append(block_positions)
+        query_positions = torch.arange(seq_len - q_len, seq_len, device=device)
+        q_positions.append(query_positions)
+        block_from.append(torch.full((q_len,), offset, dtype=torch.long, device=device))
+        block_to.append(offset + query_positions // BLOCK + 1)
+        offset += block_slots.shape[0]
+    block_slots, block_positions = torch.cat(slots), torch.cat(positions)
+    keys = compress_blocks(k_cache, block_slots, impl)
+    chosen = select_blocks(q, keys, torch.cat(block_from), torch.cat(block_to), budget_blocks, sink_blocks, scaling, impl)
+    return block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
+                                  scaling, impl)

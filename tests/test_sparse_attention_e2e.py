@@ -1,0 +1,69 @@
+"""``--kvx-sparse-attention``: block-sparse attention served by SGLang against the HF oracle.
+
+A real server per demo model (the dense Llama and the Qwen3.5-architecture hybrid), every attention
+layer of every request attending through the kernel layer's block-sparse ops; the oracle is the
+transformers model with the rule written out in ``reference/sparse.py``. Greedy tokens equal and
+log-probabilities within 1e-4 over the prefill and the decode steps, with the budget biting (the
+prompt holds several times as many blocks as a query reads); a repeated prompt (prefix-cache hit)
+gives the same; a bad budget fails before the model loads.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_kvx.reference.sparse import sparse_greedy
+from sglang_kvx.serve.launcher import ServerProcess
+
+from test_cli import launch, our_error_lines
+
+BUDGET = 32  # tokens per query: 8 blocks of a 150-token prompt's 38
+PROMPT_LEN, NEW_TOKENS = 150, 24
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid-deep"])
+def sparse_server(request, demo_paths, references):
+    name = request.param
+    server = ServerProcess(demo_paths[name], "--kvx-sparse-attention", str(BUDGET), max_total_tokens=4096)
+    server.start()
+    yield name, server, references[name]
+    server.stop()
+
+
+def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float], dict]:
+    response = server.generate({"input_ids": ids, "return_logprob": True,
+                                "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return body["output_ids"], [lp[0] for lp in body["meta_info"]["output_token_logprobs"]], body["meta_info"]
+
+
+def test_served_tokens_and_logprobs_match_the_oracle(sparse_server) -> None:
+    name, server, reference = sparse_server
+    prompt = [random.Random(7).randrange(10, 500) for _ in range(PROMPT_LEN)]
+    tokens, logprobs, _ = generate(server, prompt)
+    want_tokens, want_logprobs = sparse_greedy(reference, prompt, NEW_TOKENS, BUDGET)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4
+    # The budget bites: dense attention gives other log-probabilities (the tokens may still agree).
+    assert reference.prompt_logprobs(prompt + tokens)[-NEW_TOKENS:] != pytest.approx(logprobs, abs=1e-4)
+    again, again_logprobs, meta = generate(server, prompt)  # the prompt again (from the prefix cache where it matches)
+    assert again == tokens and (meta["cached_tokens"] > 0 or name != "tiny-llama")
+    assert max(abs(a - b) for a, b in zip(again_logprobs, logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("32 --kvx-policy knorm", "--kvx-sparse-attention serves plain requests only yet: it cannot be combined with "
+     "--kvx-policy or decode-time steps"),
+    ("32 --kvx-decode streamingllm", "--kvx-sparse-attention serves plain requests only yet: it cannot be combined "
+     "with --kvx-policy or decode-time steps"),
+    ("30", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 30"),
+    ("4", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 4"),
+    ("many", "--kvx-sparse-attention must be a whole number >= 0, got 'many'"),
+])
+def test_bad_budgets_fail_before_the_model_loads(demo_paths, value, expected) -> None:
+    result = launch("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--kvx-sparse-attention", *value.split())
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert our_error_lines(result.stderr) == [f"sglang-kvx: error: {expected}"]
