@@ -124,6 +124,36 @@ def test_a_budget_as_large_as_the_context_is_dense_causal_attention() -> None:
     assert torch.allclose(got, want.transpose(0, 1), atol=1e-6)
 
 
+def with_extra_cells(case: dict, moved: int = 9) -> dict:
+    """The same row with its entries from index 10 on moved out of the pool into extra cells
+    (as a compacted layer's borrowed cells): slots P + j name extra row j."""
+    pool = case["k_cache"].shape[0]
+    slots = case["slots"].clone()
+    picked = slots[10 : 10 + moved]
+    extra_k, extra_v = case["k_cache"][picked].clone(), case["v_cache"][picked].clone()
+    k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+    k_cache[picked], v_cache[picked] = 1e3, -1e3  # garbage where they were: must not be read
+    slots[10 : 10 + moved] = pool + torch.arange(moved)
+    block_slots, block_positions = row_blocks(slots)
+    return {**case, "k_cache": k_cache, "v_cache": v_cache, "slots": slots, "block_slots": block_slots,
+            "block_positions": block_positions, "extra_keys": extra_k, "extra_values": extra_v}
+
+
+def test_extra_cells_read_as_the_pool_cells_they_replace() -> None:
+    case = random_row(7)
+    moved = with_extra_cells(case)
+    keys = compress_blocks(case["k_cache"], case["block_slots"])
+    moved_keys = compress_blocks(moved["k_cache"], moved["block_slots"], extra_keys=moved["extra_keys"])
+    assert torch.allclose(keys, moved_keys, atol=1e-6)
+    chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], 4, 1, case["scaling"])
+    want = block_sparse_attention(case["q"], case["k_cache"], case["v_cache"], case["block_slots"],
+                                  case["block_positions"], chosen, case["q_positions"], case["scaling"])
+    got = block_sparse_attention(moved["q"], moved["k_cache"], moved["v_cache"], moved["block_slots"],
+                                 moved["block_positions"], chosen, moved["q_positions"], moved["scaling"],
+                                 extra_keys=moved["extra_keys"], extra_values=moved["extra_values"])
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 def test_bad_dispatch_is_refused(monkeypatch) -> None:
     case = random_row(4)
     monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "cuda")
@@ -147,12 +177,22 @@ def test_triton_kernels_match_the_references_under_the_interpreter() -> None:
         "                                        c['block_positions'], chosen['torch'], c['q_positions'], c['scaling'],\n"
         "                                        impl=impl) for impl in ('torch', 'triton')}\n"
         "    print('attention', float((out['torch'] - out['triton']).abs().max()))\n"
+        "from test_ops_block_sparse import with_extra_cells\n"
+        "m = with_extra_cells(random_row(7))\n"
+        "keys = {impl: compress_blocks(m['k_cache'], m['block_slots'], impl=impl, extra_keys=m['extra_keys'])\n"
+        "        for impl in ('torch', 'triton')}\n"
+        "print('compress_extra', float((keys['torch'] - keys['triton']).abs().max()))\n"
+        "chosen = select_blocks(m['q'], keys['torch'], m['block_from'], m['block_to'], 4, 1, m['scaling'])\n"
+        "out = {impl: block_sparse_attention(m['q'], m['k_cache'], m['v_cache'], m['block_slots'], m['block_positions'],\n"
+        "                                    chosen, m['q_positions'], m['scaling'], impl=impl, extra_keys=m['extra_keys'],\n"
+        "                                    extra_values=m['extra_values']) for impl in ('torch', 'triton')}\n"
+        "print('attention_extra', float((out['torch'] - out['triton']).abs().max()))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 6, result.stdout
+    assert len(lines) == 8, result.stdout
     for line in lines:
         name, err = line.split()
         assert float(err) < 1e-5, line

@@ -21,6 +21,10 @@ same way (QSA), so the index shrinks from n/4 to about p*n/4 blocks.
 3. ``block_sparse_attention``: exact softmax attention of each query head over the entries of its
    KV head's selected blocks with ``position <= q_position``.
 
+A slot at or past the pool's size P names row ``slot - P`` of ``extra_keys`` / ``extra_values``: the
+cells a compacted layer borrowed from other layers' buffers (``compact/layout.py``), gathered once
+per forward, so a regrouped child's blocks may span both.
+
 Each op has a torch reference (the source of truth) and a Triton kernel behind one dispatch
 (``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton; auto: Triton on CUDA). On CUDA the
 selected blocks are also the page list of a page-size-4 paged FlashInfer wrapper; that path needs
@@ -58,20 +62,33 @@ def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tu
     return block_slots.view(-1, BLOCK), block_positions.view(-1, BLOCK)
 
 
-def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, extra: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] in float32, slots at or past the pool's size read from ``extra`` (-1: zeros)."""
+    slots = slots.clamp(min=0)
+    pool = cache.shape[0]
+    out = cache[slots.clamp(max=pool - 1)].float()
+    if extra is not None and extra.numel():
+        outside = slots >= pool
+        out[outside] = extra[slots[outside] - pool].float()
+    return out
+
+
+def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor,
+                              extra_keys: torch.Tensor | None = None) -> torch.Tensor:
     """[NB, Hkv, D] float32: the mean key of each block's entries, per KV head."""
     valid = block_slots >= 0  # [NB, 4]
-    keys = k_cache[block_slots.clamp(min=0)].float()  # [NB, 4, Hkv, D]
+    keys = _gather(k_cache, extra_keys, block_slots)  # [NB, 4, Hkv, D]
     keys = keys * valid[:, :, None, None]
     return keys.sum(1) / valid.sum(1).clamp(min=1)[:, None, None]
 
 
-def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None,
+                    extra_keys: torch.Tensor | None = None) -> torch.Tensor:
     if _use_triton(impl, k_cache.device):
         from sglang_kvx.ops.triton_block_sparse import compress_blocks_triton
 
-        return compress_blocks_triton(k_cache, block_slots)
-    return compress_blocks_reference(k_cache, block_slots)
+        return compress_blocks_triton(k_cache, block_slots, extra_keys)
+    return compress_blocks_reference(k_cache, block_slots, extra_keys)
 
 
 def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
@@ -127,7 +144,9 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
 
 def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_slots: torch.Tensor, block_positions: torch.Tensor,
-                                     selected: torch.Tensor, q_positions: torch.Tensor, scaling: float) -> torch.Tensor:
+                                     selected: torch.Tensor, q_positions: torch.Tensor, scaling: float,
+                                     extra_keys: torch.Tensor | None = None,
+                                     extra_values: torch.Tensor | None = None) -> torch.Tensor:
     num_q, num_heads, _ = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
@@ -135,9 +154,10 @@ def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     slots = block_slots[ids].flatten(2)  # [N, Hkv, K * 4]
     positions = block_positions[ids].flatten(2)
     visible = (selected >= 0).repeat_interleave(BLOCK, dim=-1) & (slots >= 0) & (positions <= q_positions[:, None, None])
-    head = torch.arange(kv_heads, device=q.device)[None, :, None]
-    keys = k_cache[slots.clamp(min=0), head].float()  # [N, Hkv, K * 4, D]
-    values = v_cache[slots.clamp(min=0), head].float()
+    head = torch.arange(kv_heads, device=q.device)[None, :, None, None]
+    eye = head == torch.arange(kv_heads, device=q.device)[None, None, None, :]  # pick each head's own row
+    keys = (_gather(k_cache, extra_keys, slots) * eye[..., None]).sum(3)  # [N, Hkv, K * 4, D]
+    values = (_gather(v_cache, extra_values, slots) * eye[..., None]).sum(3)
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     visible = visible.repeat_interleave(group, dim=1)
@@ -148,15 +168,16 @@ def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_slots: torch.Tensor,
                            block_positions: torch.Tensor, selected: torch.Tensor, q_positions: torch.Tensor,
-                           scaling: float, impl: str | None = None) -> torch.Tensor:
+                           scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
+                           extra_values: torch.Tensor | None = None) -> torch.Tensor:
     """[N, Hq, Dv]: each query head over its KV head's selected blocks (entries at or before it)."""
     if _use_triton(impl, q.device):
         from sglang_kvx.ops.triton_block_sparse import block_sparse_attention_triton
 
         return block_sparse_attention_triton(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                             q_positions, scaling)
+                                             q_positions, scaling, extra_keys, extra_values)
     return block_sparse_attention_reference(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                            q_positions, scaling)
+                                            q_positions, scaling, extra_keys, extra_values)
 
 
 def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
