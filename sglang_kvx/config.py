@@ -272,9 +272,8 @@ def build_config(
         auto_context_min_tokens=parse_count(auto_context_min_tokens, "--kvx-auto-context-min-tokens"),
         sparse_budget=parse_sparse_budget(sparse_attention),
     )
-    if config.sparse_budget and (policy_cls.compacts or config.decode_steps):
-        raise KvxConfigError("--kvx-sparse-attention serves plain requests only yet: it cannot be combined with "
-                             "--kvx-policy or decode-time steps")
+    if config.sparse_budget and config.decode_steps:
+        raise KvxConfigError("--kvx-sparse-attention cannot be combined with decode-time steps yet")
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")

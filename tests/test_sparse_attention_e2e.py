@@ -14,7 +14,10 @@ import random
 
 import pytest
 
-from sglang_kvx.reference.sparse import sparse_greedy
+import requests
+import torch
+
+from sglang_kvx.reference.sparse import sparse_compacted_generate, sparse_greedy
 from sglang_kvx.serve.launcher import ServerProcess
 
 from test_cli import launch, our_error_lines
@@ -54,11 +57,39 @@ def test_served_tokens_and_logprobs_match_the_oracle(sparse_server) -> None:
     assert max(abs(a - b) for a, b in zip(again_logprobs, logprobs)) < 1e-4
 
 
+def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_oracle(sparse_server) -> None:
+    """QSA: each layer's kept entries regrouped into new blocks (GateSight's gate-proportional
+    budgets on the hybrid, PyramidKV's on the dense model: layers keep different counts, the folded
+    layout lends cells), the index shrinking to ceil(K_l / 4); the child equals the oracle."""
+    name, server, reference = sparse_server
+    policy = "gatesight" if name == "tiny-hybrid-deep" else "pyramidkv"
+    rng = random.Random(11)
+    context = [rng.randrange(10, 500) for _ in range(160)]
+    question = [rng.randrange(10, 500) for _ in range(6)]
+    kvx = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5}}}
+    body = {"input_ids": context, "sampling_params": {"max_new_tokens": 0, **kvx}}
+    assert server.generate(body).status_code == 200
+    entry = [c for c in server.stats()["compacted_contexts"] if c["policy"] == policy][-1]
+    kept = entry["kept_entries"]
+    assert len(set(kept)) > 1  # per-layer budgets
+    assert entry["sparse_index_blocks"] == {"full_context": 40, "regrouped_per_layer": [-(-k // 4) for k in kept]}
+    keep = [torch.tensor(layer) for layer in [e for e in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+                                              if e["policy"] == policy][-1]["positions"]]
+    response = server.generate({"input_ids": context + question, "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 10, "temperature": 0, "ignore_eos": True, **kvx}})
+    assert response.status_code == 200, response.text
+    served = response.json()
+    assert served["meta_info"]["cached_tokens"] > 0  # a child: it read the compacted prefix
+    tokens, logprobs = sparse_compacted_generate(reference, context, keep, question, 10, BUDGET)
+    assert served["output_ids"] == tokens
+    assert max(abs(a[0] - b) for a, b in zip(served["meta_info"]["output_token_logprobs"], logprobs)) < 1e-4
+    server.flush()
+    idle = server.stats()
+    assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]  # nothing leaked
+
+
 @pytest.mark.parametrize("value,expected", [
-    ("32 --kvx-policy knorm", "--kvx-sparse-attention serves plain requests only yet: it cannot be combined with "
-     "--kvx-policy or decode-time steps"),
-    ("32 --kvx-decode streamingllm", "--kvx-sparse-attention serves plain requests only yet: it cannot be combined "
-     "with --kvx-policy or decode-time steps"),
+    ("32 --kvx-decode streamingllm", "--kvx-sparse-attention cannot be combined with decode-time steps yet"),
     ("30", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 30"),
     ("4", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 4"),
     ("many", "--kvx-sparse-attention must be a whole number >= 0, got 'many'"),

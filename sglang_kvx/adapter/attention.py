@@ -133,7 +133,9 @@ def _check_plain_layer(layer, kwargs, what: str) -> None:
 
 def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budget: int, decode: bool, **kwargs):
     """``--kvx-sparse-attention``: every row's queries attend to ``budget`` tokens in four-token
-    blocks (``ops/block_sparse.py``: the first block, the query's own and the indexer's best)."""
+    blocks (``ops/block_sparse.py``: the first block, the query's own and the indexer's best). A
+    child of a compacted context reads, in each layer, the entries that layer kept (own ranks,
+    then cells borrowed from other layers' buffers), regrouped into new blocks, then its own tokens."""
     from sglang_kvx.ops.block_sparse import BLOCK, paged_block_sparse_attention
 
     _check_plain_layer(layer, kwargs, "block-sparse attention")
@@ -142,12 +144,30 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     pool = backend.token_to_kv_pool
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
-    rows = forward_batch.req_pool_indices
-    q_lens = torch.ones_like(forward_batch.seq_lens) if decode else forward_batch.extend_seq_lens
+    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    link = link_of(backend)
+    runtime, batch = link.runtime, link.batch(forward_batch)
+    index = runtime.compactor.layer_index.get(layer.layer_id)
+    masked = runtime.admission.masked_rows(index, batch) if index is not None and runtime.admission.row_context else {}
+    req_to_token = backend.req_to_token_pool.req_to_token
+    row_keys, extra_k, extra_v, extra_count = [], [], [], 0
+    for i, (row, seq_len) in enumerate(zip(batch.rows, batch.seq_lens)):
+        slots = req_to_token[row, :seq_len].long()
+        cells = masked.get(i)
+        if cells is not None:  # the layer's kept ranks: own cells, borrowed cells, then the child's tokens
+            pieces = [slots[: cells.own]]
+            for layer_id, at in cells.borrowed:
+                extra_k.append(pool.get_key_buffer(layer_id)[at])
+                extra_v.append(pool.get_value_buffer(layer_id)[at])
+                pieces.append(k_cache.shape[0] + extra_count + torch.arange(at.numel(), device=slots.device))
+                extra_count += at.numel()
+            slots = torch.cat(pieces + [slots[cells.num_slots :]])
+        row_keys.append(slots)
+    q_lens = [1] * len(row_keys) if decode else forward_batch.extend_seq_lens.tolist()
     num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-    out = paged_block_sparse_attention(
-        q.reshape(-1, num_heads, head_dim), pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-        backend.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens, budget // BLOCK, 1, layer.scaling)
+    out, _ = paged_block_sparse_attention(
+        q.reshape(-1, num_heads, head_dim), k_cache, v_cache, row_keys, q_lens, budget // BLOCK, 1, layer.scaling,
+        extra_keys=torch.cat(extra_k) if extra_k else None, extra_values=torch.cat(extra_v) if extra_v else None)
     return out.reshape(-1, num_heads * layer.v_head_dim)
 
 

@@ -181,26 +181,31 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                                 q_lens: torch.Tensor, budget_blocks: int, sink_blocks: int, scaling: float,
-                                 impl: str | None = None) -> torch.Tensor:
-    """Block-sparse attention for a batch of SGLang rows: each row's entries ``req_to_token[row,
-    :seq_len]`` grouped into blocks in position order, its last ``q_len`` entries the queries (q
-    [sum q_lens, Hq, D], row after row). The three steps above, one call each for the batch."""
-    slots, positions, block_from, block_to, q_positions = [], [], [], [], []
+                                 row_keys: list[torch.Tensor], q_lens: list[int], budget_blocks: int, sink_blocks: int,
+                                 scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
+                                 extra_values: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Block-sparse attention for a batch of rows: row b's keys are the entries ``row_keys[b]``
+    (slots, in order: a plain row's ``req_to_token[row, :seq_len]``; a child's kept entries of the
+    layer, then its own), grouped into blocks of four in that order, its last ``q_lens[b]`` the
+    queries (q [sum q_lens, Hq, D], row after row). The three steps above, one call each for the
+    batch. Returns the output and each row's index size (blocks)."""
+    slots, positions, block_from, block_to, q_positions, index_sizes = [], [], [], [], [], []
     offset = 0
     device = q.device
-    for row, seq_len, q_len in zip(rows.tolist(), seq_lens.tolist(), q_lens.tolist()):
-        block_slots, block_positions = row_blocks(req_to_token[row, :seq_len].to(device))
+    for keys, q_len in zip(row_keys, q_lens):
+        length = keys.numel()
+        block_slots, block_positions = row_blocks(keys.to(device))
         slots.append(block_slots)
         positions.append(block_positions)
-        query_positions = torch.arange(seq_len - q_len, seq_len, device=device)
+        query_positions = torch.arange(length - q_len, length, device=device)
         q_positions.append(query_positions)
         block_from.append(torch.full((q_len,), offset, dtype=torch.long, device=device))
         block_to.append(offset + query_positions // BLOCK + 1)
         offset += block_slots.shape[0]
+        index_sizes.append(block_slots.shape[0])
     block_slots, block_positions = torch.cat(slots), torch.cat(positions)
-    keys = compress_blocks(k_cache, block_slots, impl)
+    keys = compress_blocks(k_cache, block_slots, impl, extra_keys)
     chosen = select_blocks(q, keys, torch.cat(block_from), torch.cat(block_to), budget_blocks, sink_blocks, scaling, impl)
-    return block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
-                                  scaling, impl)
+    out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
+                                 scaling, impl, extra_keys, extra_values)
+    return out, index_sizes

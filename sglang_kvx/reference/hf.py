@@ -121,19 +121,22 @@ class HFReference:
 
     @torch.no_grad()
     def compacted_generate(
-        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int
+        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int,
+        attention: str = ORACLE_ATTENTION,
     ) -> tuple[list[int], list[float]]:
         """Prefill the context, keep per attention layer and KV head only the positions in ``keep``
         (keep[l]: LongTensor [kv_heads, K_l]), then answer the question greedily from that cache.
         Returns the tokens and the log-probability of each.
 
         GDN states are left as the full prefill produced them; later tokens keep their true positions.
+        ``attention``: the registered attention the question's tokens run with (the prefill runs with
+        the model's current one).
         """
         model = self.model
         cache = self._compacted_cache(context_ids, keep)
         _register_oracle_attention()
         previous = model.config._attn_implementation
-        model.set_attn_implementation(ORACLE_ATTENTION)
+        model.set_attn_implementation(attention)
         try:
             n = len(context_ids)
             generated: list[int] = []

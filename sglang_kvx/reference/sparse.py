@@ -72,3 +72,23 @@ def sparse_greedy(reference: HFReference, input_ids: list[int], max_new_tokens: 
         return tokens, logprobs
     finally:
         model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def sparse_compacted_generate(reference: HFReference, context_ids: list[int], keep: list[torch.Tensor],
+                              question_ids: list[int], max_new_tokens: int,
+                              budget_tokens: int) -> tuple[list[int], list[float]]:
+    """A child of a compacted context under the rule: the context prefilled under it, each attention
+    layer's cache cut to ``keep`` (positions per KV head, ascending), then the question answered
+    greedily; the rule counts a layer's keys in cache order (kept entries, then the new tokens),
+    so the kept entries form new four-token blocks."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SPARSE_ATTENTION, _sparse_rule(budget_tokens // BLOCK))
+    model = reference.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(SPARSE_ATTENTION)
+    try:
+        return reference.compacted_generate(context_ids, keep, question_ids, max_new_tokens, attention=SPARSE_ATTENTION)
+    finally:
+        model.set_attn_implementation(previous)

@@ -349,10 +349,21 @@ class Runtime:
             "auto_contexts_queued": self.auto_contexts,
         }
 
+    def _with_sparse_index(self, summary: dict[str, Any], context) -> dict[str, Any]:
+        """Under --kvx-sparse-attention: the indexer's blocks per attention layer and KV head for the
+        whole context and for what each layer kept, regrouped into new blocks (QSA)."""
+        if not self.config.sparse_budget:
+            return summary
+        from sglang_kvx.ops.block_sparse import BLOCK
+
+        n = len(context.context_ids)
+        return {**summary, "sparse_index_blocks": {"full_context": -(-n // BLOCK),
+                                                   "regrouped_per_layer": [-(-k // BLOCK) for k in context.kept_per_layer]}}
+
     def stats(self) -> dict[str, Any]:
         contexts = list(self.store.contexts.values())
         return {
-            "compacted_contexts": [c.summary() for c in contexts],
+            "compacted_contexts": [self._with_sparse_index(c.summary(), c) for c in contexts],
             **self.counts(),
             "last_compaction_error": self.errors[-1] if self.errors else None,
             "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
