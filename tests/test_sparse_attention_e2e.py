@@ -46,7 +46,13 @@ def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[flo
 def test_served_tokens_and_logprobs_match_the_oracle(sparse_server) -> None:
     name, server, reference = sparse_server
     prompt = [random.Random(7).randrange(10, 500) for _ in range(PROMPT_LEN)]
+    built = server.stats()["sparse_index_blocks_built"]
     tokens, logprobs, _ = generate(server, prompt)
+    # The index is kept: the prefill builds the prompt's blocks, each decode step at most the block
+    # its token is in and the one before (rebuilding every block each step would be ~20x more).
+    layers = len(reference.attention_layer_ids)
+    built = server.stats()["sparse_index_blocks_built"] - built
+    assert layers * -(-PROMPT_LEN // 4) <= built <= layers * (-(-PROMPT_LEN // 4) + 2 * NEW_TOKENS)
     want_tokens, want_logprobs = sparse_greedy(reference, prompt, NEW_TOKENS, BUDGET)
     assert tokens == want_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < 1e-4

@@ -165,9 +165,13 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
         row_keys.append(slots)
     q_lens = [1] * len(row_keys) if decode else forward_batch.extend_seq_lens.tolist()
     num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-    out, _ = paged_block_sparse_attention(
+    sparse_index, layer_key = runtime.sparse_index, layer.layer_id
+    out, block_keys = paged_block_sparse_attention(
         q.reshape(-1, num_heads, head_dim), k_cache, v_cache, row_keys, q_lens, budget // BLOCK, 1, layer.scaling,
-        extra_keys=torch.cat(extra_k) if extra_k else None, extra_values=torch.cat(extra_v) if extra_v else None)
+        extra_keys=torch.cat(extra_k) if extra_k else None, extra_values=torch.cat(extra_v) if extra_v else None,
+        known_block_keys=[sparse_index.known(row, layer_key) for row in batch.rows])
+    for row, keys, slots in zip(batch.rows, block_keys, row_keys):
+        sparse_index.keep(row, layer_key, keys, slots.numel())
     return out.reshape(-1, num_heads * layer.v_head_dim)
 
 

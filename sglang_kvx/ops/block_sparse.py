@@ -183,18 +183,25 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  row_keys: list[torch.Tensor], q_lens: list[int], budget_blocks: int, sink_blocks: int,
                                  scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
-                                 extra_values: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+                                 extra_values: torch.Tensor | None = None,
+                                 known_block_keys: list[torch.Tensor | None] | None = None,
+                                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Block-sparse attention for a batch of rows: row b's keys are the entries ``row_keys[b]``
     (slots, in order: a plain row's ``req_to_token[row, :seq_len]``; a child's kept entries of the
     layer, then its own), grouped into blocks of four in that order, its last ``q_lens[b]`` the
-    queries (q [sum q_lens, Hq, D], row after row). The three steps above, one call each for the
-    batch. Returns the output and each row's index size (blocks)."""
-    slots, positions, block_from, block_to, q_positions, index_sizes = [], [], [], [], [], []
+    queries (q [sum q_lens, Hq, D], row after row). ``known_block_keys[b]``: compressed keys of the
+    row's first blocks from an earlier call (their entries unchanged); only the rest are built.
+    Returns the output and each row's compressed keys, all its blocks (the last may be partial)."""
+    slots, positions, block_from, block_to, q_positions, fresh, known = [], [], [], [], [], [], []
     offset = 0
     device = q.device
-    for keys, q_len in zip(row_keys, q_lens):
+    for b, (keys, q_len) in enumerate(zip(row_keys, q_lens)):
         length = keys.numel()
         block_slots, block_positions = row_blocks(keys.to(device))
+        have = known_block_keys[b] if known_block_keys is not None and known_block_keys[b] is not None else None
+        have = have[: block_slots.shape[0]] if have is not None else k_cache.new_empty((0, *k_cache.shape[1:]), dtype=torch.float32)
+        known.append(have)
+        fresh.append(block_slots[have.shape[0] :])
         slots.append(block_slots)
         positions.append(block_positions)
         query_positions = torch.arange(length - q_len, length, device=device)
@@ -202,10 +209,11 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         block_from.append(torch.full((q_len,), offset, dtype=torch.long, device=device))
         block_to.append(offset + query_positions // BLOCK + 1)
         offset += block_slots.shape[0]
-        index_sizes.append(block_slots.shape[0])
+    built = compress_blocks(k_cache, torch.cat(fresh), impl, extra_keys).split([f.shape[0] for f in fresh])
+    per_row = [torch.cat([have, new]) for have, new in zip(known, built)]
     block_slots, block_positions = torch.cat(slots), torch.cat(positions)
-    keys = compress_blocks(k_cache, block_slots, impl, extra_keys)
-    chosen = select_blocks(q, keys, torch.cat(block_from), torch.cat(block_to), budget_blocks, sink_blocks, scaling, impl)
+    chosen = select_blocks(q, torch.cat(per_row), torch.cat(block_from), torch.cat(block_to), budget_blocks,
+                           sink_blocks, scaling, impl)
     out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
                                  scaling, impl, extra_keys, extra_values)
-    return out, index_sizes
+    return out, per_row

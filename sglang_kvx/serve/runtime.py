@@ -28,6 +28,7 @@ from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.serve.admission import Admission, RequestState
 from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.serve.shared_prefixes import SharedPrefixes
+from sglang_kvx.serve.sparse_index import SparseIndex
 from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
 from sglang_kvx.signals import CaptureSpec
 from sglang_kvx.signals.recorder import SignalRecorder
@@ -67,6 +68,7 @@ class Runtime:
         if self.recall_head is not None:
             self.recall_head.to(pool.device)
         self.decode = DecodeRunner(pool, self.recall_head, gates=gates)
+        self.sparse_index = SparseIndex()  # the indexer's compressed keys per row (--kvx-sparse-attention)
         self.submit = submit
         self.shared = SharedPrefixes(config.auto_context_min_tokens)
         self.auto_contexts = 0  # parents queued for shared beginnings
@@ -176,6 +178,7 @@ class Runtime:
                 self._refuse_on_error(request, exc, "placing")
 
     def _place(self, request: Request) -> None:
+        self.sparse_index.forget(request.row)  # a request (or its next prefill chunk) enters the row
         context = self.admission.place(request)
         state = request.state
         if state is not None and not request.finished and not request.aborted:
@@ -192,6 +195,7 @@ class Runtime:
     # --- requests leaving ---------------------------------------------------------------
 
     def before_release(self, request: Request) -> None:
+        self.sparse_index.forget(request.row)
         state = request.state
         if state is None:
             return
@@ -345,6 +349,7 @@ class Runtime:
             "gate_freed_bytes": self.decode.fold_freed_slots * self.pool.bytes_per_entry * self.pool.num_layers,
             "head_eviction_finished": self.decode.head_rows_done,  # finished requests under online H2O / KeyDiff
             "head_evicted_entries": self.decode.head_evicted,  # ... entries they evicted, over layers and heads
+            "sparse_index_blocks_built": self.sparse_index.blocks_built,  # compressed keys built (not reused)
             "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
             "auto_contexts_queued": self.auto_contexts,
         }
