@@ -110,7 +110,10 @@ def test_attention_over_the_chosen_blocks_is_sdpa_over_those_tokens(budget_block
     assert (chosen >= 0).sum(-1).max() == budget_blocks  # the budget bites at this length
 
 
-def test_a_budget_as_large_as_the_context_is_dense_causal_attention() -> None:
+def test_a_budget_as_large_as_the_context_is_dense_causal_attention(monkeypatch) -> None:
+    from sglang_kvx.ops import block_sparse
+
+    monkeypatch.setattr(block_sparse, "QUERY_CHUNK", 4)  # the reference's query chunks, over 9 queries
     case = random_row(3, n=37, queries=9)
     keys = compress_blocks(case["k_cache"], case["block_slots"])
     chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], budget_blocks=10, sink_blocks=1,

@@ -73,6 +73,18 @@ def _gather(cache: torch.Tensor, extra: torch.Tensor | None, slots: torch.Tensor
     return out
 
 
+def _gather_heads(cache: torch.Tensor, extra: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """[..., Hkv, E, D] float32: each KV head's own row of the entries ``slots`` [..., Hkv, E]."""
+    head = torch.arange(cache.shape[1], device=slots.device)[:, None].expand(slots.shape[-2:]).expand_as(slots)
+    slots = slots.clamp(min=0)
+    pool = cache.shape[0]
+    out = cache[slots.clamp(max=pool - 1), head].float()
+    if extra is not None and extra.numel():
+        outside = slots >= pool
+        out[outside] = extra[slots[outside] - pool, head[outside]].float()
+    return out
+
+
 def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor,
                               extra_keys: torch.Tensor | None = None) -> torch.Tensor:
     """[NB, Hkv, D] float32: the mean key of each block's entries, per KV head."""
@@ -142,6 +154,9 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
     return _pick(scores, block_from, block_to, budget_blocks, sink_blocks)
 
 
+QUERY_CHUNK = 256  # queries per step of the reference: bounded [chunk, Hkv, budget, D] gathers
+
+
 def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                      block_slots: torch.Tensor, block_positions: torch.Tensor,
                                      selected: torch.Tensor, q_positions: torch.Tensor, scaling: float,
@@ -150,20 +165,21 @@ def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
     num_q, num_heads, _ = q.shape
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    ids = selected.clamp(min=0)  # [N, Hkv, K]
-    slots = block_slots[ids].flatten(2)  # [N, Hkv, K * 4]
-    positions = block_positions[ids].flatten(2)
-    visible = (selected >= 0).repeat_interleave(BLOCK, dim=-1) & (slots >= 0) & (positions <= q_positions[:, None, None])
-    head = torch.arange(kv_heads, device=q.device)[None, :, None, None]
-    eye = head == torch.arange(kv_heads, device=q.device)[None, None, None, :]  # pick each head's own row
-    keys = (_gather(k_cache, extra_keys, slots) * eye[..., None]).sum(3)  # [N, Hkv, K * 4, D]
-    values = (_gather(v_cache, extra_values, slots) * eye[..., None]).sum(3)
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
-    visible = visible.repeat_interleave(group, dim=1)
-    z = torch.einsum("nhd,nhkd->nhk", q.float(), keys) * scaling
-    a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("nhk,nhkd->nhd", a, values).to(q.dtype)
+    out = q.new_empty((num_q, num_heads, v_cache.shape[-1]))
+    for start in range(0, num_q, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, num_q)
+        chosen = selected[start:end]
+        ids = chosen.clamp(min=0)  # [n, Hkv, K]
+        slots = block_slots[ids].flatten(2)  # [n, Hkv, K * 4]
+        positions = block_positions[ids].flatten(2)
+        visible = (chosen >= 0).repeat_interleave(BLOCK, dim=-1) & (slots >= 0) & (positions <= q_positions[start:end, None, None])
+        keys = _gather_heads(k_cache, extra_keys, slots).repeat_interleave(group, dim=1)  # [n, Hq, K * 4, D]
+        values = _gather_heads(v_cache, extra_values, slots).repeat_interleave(group, dim=1)
+        visible = visible.repeat_interleave(group, dim=1)
+        z = torch.einsum("nhd,nhkd->nhk", q[start:end].float(), keys) * scaling
+        a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[start:end] = torch.einsum("nhk,nhkd->nhd", a, values).to(q.dtype)
+    return out
 
 
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_slots: torch.Tensor,
