@@ -118,3 +118,12 @@ def test_bench_head_decode_smoke():
     result = run_bench("bench_head_decode.py", "--prompt", "100", "--new-tokens", "20", "--repeats", "1", "--budget", "32")
     has(result, "decode_seconds_per_step", "h2o_vs_plain", "keydiff_vs_plain", "reports", "pool_bytes_peak")
     assert result["reports"]["h2o"]["evicted_entries"] > 0 and result["reports"]["keydiff"]["budget"] == 32
+
+
+def test_bench_sparse_attention_smoke():
+    result = run_bench("bench_sparse_attention.py", "--length", "512", "--samples", "1", "--tasks", "niah_single_1",
+                       "--budget", "64", "--index-fractions", "0.5", "--scan-lengths", "1024", "--repeats", "2",
+                       "--max-new-tokens", "8")
+    has(result, "accuracy", "index_sizes", "scan_per_decode_step", "regrouped_minus_sparse_full")
+    index = result["index_sizes"]["0.5"]
+    assert index["full_context_blocks"] > max(index["regrouped_blocks_per_layer"]) > 0

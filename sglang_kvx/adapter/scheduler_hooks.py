@@ -395,12 +395,15 @@ def after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs)
 
 def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
     """A captured graph replays the backend's own kernels: a batch reading a compacted prefix with
-    per-layer lengths runs eagerly instead."""
+    per-layer lengths, hiding part of a row for a decode step, or under block-sparse attention runs
+    eagerly instead."""
     if not original(graph_runner, forward_batch, *args, **kwargs):
         return False
     link = link_of(graph_runner.model_runner.req_to_token_pool)
     if link is None:
         return True
+    if link.runtime.config.sparse_budget:
+        return False  # block-sparse attention runs the kernel layer's ops, eagerly
     if link.runtime.decode and link.runtime.decode.any_hidden():
         return False  # a decode step hides part of some row's history
     return not link.runtime.admission.needs_per_layer_lengths(link.batch(forward_batch))

@@ -1,0 +1,134 @@
+"""Block-sparse attention and QSA regrouping: accuracy, index size and indexer scan time (issue 17).
+
+    OMP_NUM_THREADS=1 python perf/bench_sparse_attention.py [--model tiny-hybrid-deep] [--length 2048]
+        [--tasks ...] [--samples 4] [--budget 256] [--fraction 0.1] [--index-fractions 0.5,0.2,0.1]
+        [--scan-lengths 2048,4096,8192,16384]
+
+In one run:
+1. Accuracy on the suite (``sglang_kvx.eval``'s sessions, seed 0) from two real servers on the same
+   model: dense attention and ``--kvx-sparse-attention BUDGET``; each over the full cache and over
+   contexts compacted by ``--policy`` (GateSight by default) at ``--fraction`` (the sparse server's children read each layer's
+   kept entries regrouped into new blocks). Target: regrouped sparse within 5 points of sparse over
+   the full cache.
+2. Index size, measured from the sparse server: one context of ``--length`` tokens compacted by
+   the policy at each of ``--index-fractions``; ``/kvx/stats`` gives the blocks each layer's indexer
+   scans for the full context and for its regrouped kept entries, against p * n / 4.
+3. Indexer scan time per decode step (the kernel layer's ``select_blocks``, torch reference on this
+   machine; one decode query per KV head, the model's head shape, random keys): the full index of
+   n / 4 blocks against the regrouped index of the kept fraction, at each of ``--scan-lengths``,
+   median of ``--repeats``. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import requests
+import torch
+from transformers import AutoTokenizer
+
+from sglang_kvx.eval.runner import evaluate, summarize
+from sglang_kvx.eval.tasks import generate_sample
+from sglang_kvx.models.demo import ensure_demo_models, weights_root
+from sglang_kvx.ops.block_sparse import BLOCK, select_blocks
+from sglang_kvx.serve.launcher import ServerProcess
+
+DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multiquery,niah_multivalue,vt,qa_1"
+
+
+def index_sizes(url: str, context_ids: list[int], fractions: list[float], policy: str) -> dict[str, dict]:
+    """Per kept fraction: the blocks each layer's indexer scans, full context and regrouped."""
+    sizes = {}
+    for p in fractions:
+        body = {"input_ids": context_ids, "sampling_params": {
+            "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}}
+        response = requests.post(url + "/generate", json=body, timeout=600)
+        response.raise_for_status()
+        entry = [c for c in requests.get(url + "/kvx/stats", timeout=30).json()["compacted_contexts"]
+                 if c["keep_fraction"] == p][-1]
+        index = entry["sparse_index_blocks"]
+        regrouped = index["regrouped_per_layer"]
+        target = p * len(context_ids) / BLOCK
+        sizes[f"{p:g}"] = {"full_context_blocks": index["full_context"], "regrouped_blocks_per_layer": regrouped,
+                           "regrouped_mean": statistics.mean(regrouped), "p_n_over_4": target,
+                           "mean_vs_target": statistics.mean(regrouped) / target}
+    return sizes
+
+
+def scan_seconds(blocks: int, kv_heads: int, heads: int, head_dim: int, budget_blocks: int, repeats: int) -> float:
+    """Median seconds of one decode step's block selection over an index of ``blocks`` compressed keys."""
+    gen = torch.Generator().manual_seed(blocks)
+    keys = torch.randn(blocks, kv_heads, head_dim, generator=gen)
+    q = torch.randn(1, heads, head_dim, generator=gen)
+    lo, hi = torch.zeros(1, dtype=torch.long), torch.full((1,), blocks)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter()
+        select_blocks(q, keys, lo, hi, budget_blocks, 1, head_dim ** -0.5, impl="torch")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])  # two warm-up calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-hybrid-deep", help="model folder under weights/ or a path (default: tiny-hybrid-deep)")
+    parser.add_argument("--length", type=int, default=2048, help="tokens per prompt (default: 2048)")
+    parser.add_argument("--tasks", default=DEFAULT_TASKS, help=f"suite tasks (default: {DEFAULT_TASKS})")
+    parser.add_argument("--samples", type=int, default=4, help="contexts per task (default: 4)")
+    parser.add_argument("--budget", type=int, default=256, help="tokens each query attends to in sparse mode (default: 256)")
+    parser.add_argument("--policy", default="gatesight", help="compaction policy (default: gatesight; a dense model: e.g. snapkv)")
+    parser.add_argument("--fraction", type=float, default=0.1, help="the policy's kept fraction for the accuracy arms (default: 0.1)")
+    parser.add_argument("--index-fractions", default="0.5,0.2,0.1", help="kept fractions for the index sizes (default: 0.5,0.2,0.1)")
+    parser.add_argument("--scan-lengths", default="2048,4096,8192,16384", help="context lengths for the scan timing")
+    parser.add_argument("--repeats", type=int, default=20, help="timed scans per point (default: 20)")
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default: 24)")
+    args = parser.parse_args()
+    ensure_demo_models()
+    path = Path(args.model) if args.model.startswith(("/", ".")) else weights_root() / args.model
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tasks = [t for t in args.tasks.split(",") if t]
+    fractions = [float(f) for f in args.index_fractions.split(",") if f]
+    context_length = args.length + args.max_new_tokens + 128
+    server_args = ("--context-length", str(context_length), "--kvx-policy", args.policy)
+    result: dict = {"model": args.model, "length": args.length, "tasks": tasks, "samples_per_task": args.samples,
+                    "budget_tokens": args.budget, "policy": args.policy, "fraction": args.fraction, "accuracy": {}}
+    for arm, extra in (("dense", ()), ("sparse", ("--kvx-sparse-attention", str(args.budget)))):
+        with ServerProcess(path, *server_args, *extra, max_total_tokens=8 * context_length) as server:
+            rows = evaluate(server.url, tasks, args.length, args.samples, [args.policy], [args.fraction],
+                            max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
+            means = summarize(rows)
+            result["accuracy"][arm] = {"full_cache": means[("full", 1.0)],
+                                       f"{args.policy}_p{args.fraction:g}": means[(args.policy, args.fraction)],
+                                       "per_task": rows}
+            if arm == "sparse":
+                sample = generate_sample(tasks[0], args.length, seed=0, index=0, tokenizer=tokenizer)
+                result["index_sizes"] = index_sizes(server.url, tokenizer.encode(sample.context), fractions, args.policy)
+    sparse = result["accuracy"]["sparse"]
+    result["regrouped_minus_sparse_full"] = round(sparse[f"{args.policy}_p{args.fraction:g}"] - sparse["full_cache"], 2)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    kv_heads, heads = text["num_key_value_heads"], text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    scans = {}
+    for n in [int(x) for x in args.scan_lengths.split(",") if x]:
+        full = scan_seconds(-(-n // BLOCK), kv_heads, heads, head_dim, args.budget // BLOCK, args.repeats)
+        row = {"full_index_seconds": full}
+        for p in fractions:
+            seconds = scan_seconds(-(-int(p * n) // BLOCK), kv_heads, heads, head_dim, args.budget // BLOCK, args.repeats)
+            row[f"p{p:g}"] = {"seconds": seconds, "vs_full": seconds / full}
+        scans[str(n)] = row
+    result["scan_per_decode_step"] = scans
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
