@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 from sglang_kvx.ops.gatesight import mlp_utility  # noqa: E402
 from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention  # noqa: E402
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
+from sglang_kvx.ops.block_sparse import (  # noqa: E402
+    block_sparse_attention, compress_blocks, row_blocks, select_blocks)
+from sglang_kvx.ops.state_snapshot import _cupy_available  # noqa: E402
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float | None]:
@@ -108,6 +111,41 @@ def check_gated_attention(name: str, device: torch.device, repeats: int, kind: s
             "triton_s": triton_s, "torch_reference_s": torch_s, "speedup": round(torch_s / triton_s, 2) if triton_s else None}
 
 
+def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int, heads: int, kv_heads: int, dim: int,
+                       budget_blocks: int, dtype: torch.dtype) -> list[dict]:
+    """Block-sparse attention's three steps over one row of ``n`` entries, its last ``queries`` as queries."""
+    g = torch.Generator().manual_seed(3)
+    pool = n + 17
+    slots = torch.randperm(pool - 1, generator=g)[:n] + 1
+    block_slots, block_positions = (t.to(device) for t in row_blocks(slots))
+    k_cache = torch.randn(pool, kv_heads, dim, generator=g).to(device, dtype)
+    v_cache = torch.randn(pool, kv_heads, dim, generator=g).to(device, dtype)
+    q = torch.randn(queries, heads, dim, generator=g).to(device, dtype)
+    q_positions = torch.arange(n - queries, n, device=device)
+    lo, hi = torch.zeros(queries, dtype=torch.long, device=device), q_positions // 4 + 1
+    checks = []
+    impls = ["triton"] + (["cupy"] if device.type == "cuda" and _cupy_available() else [])
+    want_keys, torch_s = timed(lambda: compress_blocks(k_cache, block_slots, impl="torch"), device, repeats)
+    for impl in impls:
+        got, impl_s = timed(lambda: compress_blocks(k_cache, block_slots, impl=impl), device, repeats)
+        checks.append({"case": f"block_sparse_compress_{impl}_{n}", "max_abs_err": float((got - want_keys).abs().max()),
+                       f"{impl}_s": impl_s, "torch_reference_s": torch_s})
+    want_sel, torch_s = timed(lambda: select_blocks(q, want_keys, lo, hi, budget_blocks, 1, dim ** -0.5, impl="torch"),
+                              device, repeats)
+    got_sel, triton_s = timed(lambda: select_blocks(q, want_keys, lo, hi, budget_blocks, 1, dim ** -0.5, impl="triton"),
+                              device, repeats)
+    checks.append({"case": f"block_sparse_select_{n}", "max_abs_err": float((got_sel != want_sel).float().mean()),
+                   "note": "share of chosen block ids that differ (float ties)", "triton_s": triton_s,
+                   "torch_reference_s": torch_s})
+    args = (q, k_cache, v_cache, block_slots, block_positions, want_sel, q_positions, dim ** -0.5)
+    want, torch_s = timed(lambda: block_sparse_attention(*args, impl="torch"), device, repeats)
+    got, triton_s = timed(lambda: block_sparse_attention(*args, impl="triton"), device, repeats)
+    checks.append({"case": f"block_sparse_attention_{n}", "max_abs_err": float((got.float() - want.float()).abs().max()),
+                   "triton_s": triton_s, "torch_reference_s": torch_s,
+                   "speedup": round(torch_s / triton_s, 2) if triton_s else None})
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -141,6 +179,9 @@ def main() -> None:
     for kind in ("sigmoid", "softmax"):
         result["checks"].append(check_gated_attention(f"gated_{kind}_decode_folded", device,
                                                       0 if args.smoke else args.repeats, kind, **size))
+    sparse = dict(n=70, queries=3, heads=4, kv_heads=2, dim=16, budget_blocks=4, dtype=torch.float32) if args.smoke else \
+        dict(n=16384, queries=64, heads=32, kv_heads=8, dim=128, budget_blocks=512, dtype=torch.bfloat16)
+    result["checks"].extend(check_block_sparse(device, 0 if args.smoke else args.repeats, **sparse))
     print(json.dumps(result, indent=1))
 
 

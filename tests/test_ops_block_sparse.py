@@ -157,8 +157,22 @@ def test_extra_cells_read_as_the_pool_cells_they_replace() -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
+def test_the_cupy_compression_matches_the_reference() -> None:
+    from sglang_kvx.ops.state_snapshot import _cupy_available
+
+    if not _cupy_available():
+        pytest.skip("cupy with a CUDA device is not available (the optional 'gpu' extra)")
+    case = with_extra_cells(random_row(8))
+    k_cache, slots, extra = case["k_cache"].cuda(), case["block_slots"].cuda(), case["extra_keys"].cuda()
+    want = compress_blocks(k_cache, slots, impl="torch", extra_keys=extra)
+    got = compress_blocks(k_cache, slots, impl="cupy", extra_keys=extra)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
 def test_bad_dispatch_is_refused(monkeypatch) -> None:
     case = random_row(4)
+    with pytest.raises(RuntimeError, match="needs cupy"):
+        compress_blocks(case["k_cache"], case["block_slots"], impl="cupy")  # CPU tensors
     monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "cuda")
     with pytest.raises(ValueError, match="SGLANG_KVX_BLOCK_SPARSE_IMPL"):
         compress_blocks(case["k_cache"], case["block_slots"])

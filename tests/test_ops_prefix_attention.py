@@ -115,4 +115,4 @@ def test_the_gpu_check_script_runs_its_smoke_sizes_under_the_interpreter() -> No
                             text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     checks = json.loads(result.stdout)["checks"]
-    assert len(checks) == 4 and all(c["max_abs_err"] < 1e-4 for c in checks), checks  # MLP, prefix, gated x 2
+    assert len(checks) == 7 and all(c["max_abs_err"] < 1e-4 for c in checks), checks  # MLP, prefix, gated x 2, block-sparse x 3

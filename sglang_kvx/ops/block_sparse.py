@@ -26,7 +26,8 @@ cells a compacted layer borrowed from other layers' buffers (``compact/layout.py
 per forward, so a regrouped child's blocks may span both.
 
 Each op has a torch reference (the source of truth) and a Triton kernel behind one dispatch
-(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton; auto: Triton on CUDA). On CUDA the
+(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton | cupy; auto: Triton on CUDA; the block
+compression runs a CuPy kernel where CuPy imports, ``ops/cupy_block_sparse.py``, untested here). On CUDA the
 selected blocks are also the page list of a page-size-4 paged FlashInfer wrapper; that path needs
 a GPU to be shown right and is a seam here. Math in float32; outputs in q's dtype.
 """
@@ -38,14 +39,19 @@ import os
 import torch
 
 BLOCK = 4  # entries per block (the seed's four-token blocks)
-_IMPLS = ("auto", "torch", "triton")
+_IMPLS = ("auto", "torch", "triton", "cupy")  # cupy: block compression only
 
 
-def _use_triton(impl: str | None, device: torch.device) -> bool:
+def _impl(impl: str | None) -> str:
     impl = impl or os.environ.get("SGLANG_KVX_BLOCK_SPARSE_IMPL", "auto")
     if impl not in _IMPLS:
         raise ValueError(f"SGLANG_KVX_BLOCK_SPARSE_IMPL must be one of {_IMPLS}, got {impl!r}")
-    return impl == "triton" or (impl == "auto" and device.type == "cuda")
+    return impl
+
+
+def _use_triton(impl: str | None, device: torch.device) -> bool:
+    impl = _impl(impl)
+    return impl == "triton" or (impl in ("auto", "cupy") and device.type == "cuda")
 
 
 def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +102,16 @@ def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor,
 
 def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None,
                     extra_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: CuPy on CUDA where it imports (else Triton on CUDA), the reference elsewhere."""
+    from sglang_kvx.ops.state_snapshot import _cupy_available
+
+    chosen = _impl(impl)
+    if chosen == "cupy" or (chosen == "auto" and k_cache.is_cuda and _cupy_available()):
+        if not (k_cache.is_cuda and _cupy_available()):
+            raise RuntimeError("the CuPy block compression needs cupy (the optional 'gpu' extra) and CUDA tensors")
+        from sglang_kvx.ops.cupy_block_sparse import compress_blocks_cupy
+
+        return compress_blocks_cupy(k_cache, block_slots, extra_keys)
     if _use_triton(impl, k_cache.device):
         from sglang_kvx.ops.triton_block_sparse import compress_blocks_triton
 
