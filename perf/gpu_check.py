@@ -4,8 +4,11 @@
     TRITON_INTERPRET=1 python perf/gpu_check.py --smoke     # tiny sizes on CPU (the test suite runs this)
 
 Prints one JSON object: per op and case the largest absolute difference from the torch
-reference and, on CUDA, the median time of the Triton kernel and of the reference (ratios
-within one run). Written to be the one short script a session with a lent GPU runs first.
+reference against its tolerance (float32 1e-4; bfloat16 outputs 3e-2; block choice: at most 1% of
+ids differing, float ties) and, on CUDA, the median time of the kernel and of the reference
+(ratios within one run); exits 1 when any check is over its tolerance. ``--plant`` runs the GateSight
+MLP check with a planted wrong kernel (its output bias dropped) to show a mismatch fails the script.
+Written to be the one short script a session with a lent GPU runs first.
 """
 
 from __future__ import annotations
@@ -71,20 +74,27 @@ def check_prefix_attention(name: str, device: torch.device, repeats: int, **shap
     got, triton_s = timed(lambda: prefix_cells_attention(**case, impl="triton"), device, repeats)
     want, torch_s = timed(lambda: prefix_cells_attention(**case, impl="torch"), device, repeats)
     return {"case": name, **{k: v for k, v in shape.items() if k != "dtype"}, "dtype": str(shape["dtype"]),
-            "max_abs_err": float((got.float() - want.float()).abs().max()),
+            "max_abs_err": float((got.float() - want.float()).abs().max()), "tolerance": tolerance(shape["dtype"]),
             "triton_s": triton_s, "torch_reference_s": torch_s,
             "speedup": round(torch_s / triton_s, 2) if triton_s else None}
 
 
-def check_mlp_utility(device: torch.device, repeats: int, n: int, layers: int = 2, heads: int = 2) -> dict:
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 3e-2
+
+
+def check_mlp_utility(device: torch.device, repeats: int, n: int, layers: int = 2, heads: int = 2,
+                      plant: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     features = torch.randn(layers, n, 75, generator=g).to(device)
     w1 = (torch.randn(layers, heads, 75, 64, generator=g) / 8).to(device)
     b1, w2 = torch.randn(layers, heads, 64, generator=g).to(device), torch.randn(layers, heads, 64, generator=g).to(device)
     b2 = torch.randn(layers, heads, generator=g).to(device)
-    got, triton_s = timed(lambda: mlp_utility(features, w1, b1, w2, b2, impl="triton"), device, repeats)
+    planted_b2 = torch.zeros_like(b2) if plant else b2  # --plant: a kernel that forgets the output bias
+    got, triton_s = timed(lambda: mlp_utility(features, w1, b1, w2, planted_b2, impl="triton"), device, repeats)
     want, torch_s = timed(lambda: mlp_utility(features, w1, b1, w2, b2, impl="torch"), device, repeats)
-    return {"case": f"gatesight_mlp n={n}", "max_abs_err": float((got - want).abs().max()),
+    return {"case": f"gatesight_mlp n={n}" + (" (planted wrong kernel)" if plant else ""),
+            "max_abs_err": float((got - want).abs().max()), "tolerance": 1e-4,
             "triton_s": triton_s, "torch_reference_s": torch_s,
             "speedup": round(torch_s / triton_s, 2) if triton_s else None}
 
@@ -107,7 +117,7 @@ def check_gated_attention(name: str, device: torch.device, repeats: int, kind: s
                                                   folded.gates, folded.indptr)))
     got, triton_s = timed(lambda: gated_attention(**case, folded=folded, impl="triton"), device, repeats)
     want, torch_s = timed(lambda: gated_attention(**case, folded=folded, impl="torch"), device, repeats)
-    return {"case": name, "max_abs_err": float((got.float() - want.float()).abs().max()),
+    return {"case": name, "max_abs_err": float((got.float() - want.float()).abs().max()), "tolerance": 1e-4,
             "triton_s": triton_s, "torch_reference_s": torch_s, "speedup": round(torch_s / triton_s, 2) if triton_s else None}
 
 
@@ -129,18 +139,21 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
     for impl in impls:
         got, impl_s = timed(lambda: compress_blocks(k_cache, block_slots, impl=impl), device, repeats)
         checks.append({"case": f"block_sparse_compress_{impl}_{n}", "max_abs_err": float((got - want_keys).abs().max()),
+                       "tolerance": 1e-4 if dtype == torch.float32 else 1e-3,
                        f"{impl}_s": impl_s, "torch_reference_s": torch_s})
     want_sel, torch_s = timed(lambda: select_blocks(q, want_keys, lo, hi, budget_blocks, 1, dim ** -0.5, impl="torch"),
                               device, repeats)
     got_sel, triton_s = timed(lambda: select_blocks(q, want_keys, lo, hi, budget_blocks, 1, dim ** -0.5, impl="triton"),
                               device, repeats)
     checks.append({"case": f"block_sparse_select_{n}", "max_abs_err": float((got_sel != want_sel).float().mean()),
+                   "tolerance": 0.01,
                    "note": "share of chosen block ids that differ (float ties)", "triton_s": triton_s,
                    "torch_reference_s": torch_s})
     args = (q, k_cache, v_cache, block_slots, block_positions, want_sel, q_positions, dim ** -0.5)
     want, torch_s = timed(lambda: block_sparse_attention(*args, impl="torch"), device, repeats)
     got, triton_s = timed(lambda: block_sparse_attention(*args, impl="triton"), device, repeats)
     checks.append({"case": f"block_sparse_attention_{n}", "max_abs_err": float((got.float() - want.float()).abs().max()),
+                   "tolerance": tolerance(dtype),
                    "triton_s": triton_s, "torch_reference_s": torch_s,
                    "speedup": round(torch_s / triton_s, 2) if triton_s else None})
     return checks
@@ -149,7 +162,8 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs per check on CUDA (default: 10)")
+    parser.add_argument("--plant", action="store_true", help="check a planted wrong kernel too (the script must then exit 1)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     if not args.smoke and not torch.cuda.is_available():
@@ -160,6 +174,8 @@ def main() -> None:
         shapes = [("decode", dict(batch=3, seq_len=40, q_len=1, prefix=20, hidden=6, extras=5, heads=4, kv_heads=2,
                                   dim=16, dtype=torch.float32, seed=1))]
         result["checks"].append(check_mlp_utility(device, 0, n=70))
+        if args.plant:
+            result["checks"].append(check_mlp_utility(device, 0, n=70, plant=True))
     else:
         # A folded 4K context at p = 0.1 (410 slots): a layer hiding 195 ranks or borrowing 195 entries;
         # 64 children decoding, and 4 children prefilling a 64-token question.
@@ -172,6 +188,8 @@ def main() -> None:
         ]
         for n in (4096, 16384):
             result["checks"].append(check_mlp_utility(device, args.repeats, n=n))
+        if args.plant:
+            result["checks"].append(check_mlp_utility(device, args.repeats, n=4096, plant=True))
     for name, shape in shapes:
         result["checks"].append(check_prefix_attention(name, device, 0 if args.smoke else args.repeats, **shape))
     size = dict(batch=2, seq_len=30, heads=2, dim=16, folded_len=8) if args.smoke else \
@@ -182,7 +200,11 @@ def main() -> None:
     sparse = dict(n=70, queries=3, heads=4, kv_heads=2, dim=16, budget_blocks=4, dtype=torch.float32) if args.smoke else \
         dict(n=16384, queries=64, heads=32, kv_heads=8, dim=128, budget_blocks=512, dtype=torch.bfloat16)
     result["checks"].extend(check_block_sparse(device, 0 if args.smoke else args.repeats, **sparse))
+    failed = [c["case"] for c in result["checks"] if not c["max_abs_err"] <= c["tolerance"]]
+    result["failed"] = failed
+    result["passed"] = not failed
     print(json.dumps(result, indent=1))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
