@@ -122,17 +122,27 @@ def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str 
 def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
                            block_to: torch.Tensor, scaling: float) -> torch.Tensor:
     """[N, Hkv, W] the indexer's score of each query's visible blocks ``block_from[n] + w`` (W the
-    widest span; -inf past a query's own), summed over each KV head's query group."""
+    widest span; -inf past a query's own), summed over each KV head's query group. Queries sharing
+    a ``block_from`` (one row's) are scored against that row's blocks in one product."""
     num_q, num_heads, _ = q.shape
     kv_heads = block_keys.shape[1]
     width = int((block_to - block_from).max()) if num_q else 0
-    w = torch.arange(width, device=q.device)
-    ids = block_from[:, None].long() + w[None, :]  # [N, W]
-    visible = ids < block_to[:, None].long()
-    keys = block_keys[ids.clamp(max=block_keys.shape[0] - 1)].float()  # [N, W, Hkv, D]
     grouped = q.float().view(num_q, kv_heads, num_heads // kv_heads, -1).sum(2)  # the group's summed query
-    scores = torch.einsum("nhd,nwhd->nhw", grouped, keys) * scaling
-    return scores.masked_fill(~visible[:, None, :], float("-inf"))
+    scores = q.new_full((num_q, kv_heads, width), float("-inf"), dtype=torch.float32)
+    starts = block_from.tolist()
+    run = 0
+    while run < num_q:  # runs of queries with one block_from
+        end = run
+        while end < num_q and starts[end] == starts[run]:
+            end += 1
+        lo = starts[run]
+        span = int((block_to[run:end] - lo).max())
+        keys = block_keys[lo : lo + span].float()  # [span, Hkv, D]
+        part = torch.einsum("nhd,whd->nhw", grouped[run:end], keys) * scaling
+        visible = torch.arange(span, device=q.device)[None, :] < (block_to[run:end] - lo)[:, None]
+        scores[run:end, :, :span] = part.masked_fill(~visible[:, None, :], float("-inf"))
+        run = end
+    return scores
 
 
 def _pick(scores: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor, budget_blocks: int,
