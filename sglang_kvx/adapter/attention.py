@@ -15,6 +15,9 @@ other layer and batch through the backend unchanged. ``with_per_layer_lengths``
 switches a built instance to it (SGLang's isinstance checks still hold); the
 plugin applies it to every full-attention backend SGLang builds. Batches with such
 rows must run eagerly: the plugin keeps them off captured graphs.
+
+The same subclass serves ``--kvx-sparse-attention``: every layer of every batch then runs
+``sparse_attention`` (the kernel layer's block-sparse ops), eagerly as well.
 """
 
 from __future__ import annotations
