@@ -199,12 +199,12 @@ def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
         slots = block_slots[ids].flatten(2)  # [n, Hkv, K * 4]
         positions = block_positions[ids].flatten(2)
         visible = (chosen >= 0).repeat_interleave(BLOCK, dim=-1) & (slots >= 0) & (positions <= q_positions[start:end, None, None])
-        keys = _gather_heads(k_cache, extra_keys, slots).repeat_interleave(group, dim=1)  # [n, Hq, K * 4, D]
-        values = _gather_heads(v_cache, extra_values, slots).repeat_interleave(group, dim=1)
-        visible = visible.repeat_interleave(group, dim=1)
-        z = torch.einsum("nhd,nhkd->nhk", q[start:end].float(), keys) * scaling
-        a = torch.softmax(z.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-        out[start:end] = torch.einsum("nhk,nhkd->nhd", a, values).to(q.dtype)
+        keys = _gather_heads(k_cache, extra_keys, slots)  # [n, Hkv, K * 4, D], shared by the head's query group
+        values = _gather_heads(v_cache, extra_values, slots)
+        queries = q[start:end].float().view(end - start, kv_heads, group, -1)
+        z = torch.einsum("nhgd,nhkd->nhgk", queries, keys) * scaling
+        a = torch.softmax(z.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
+        out[start:end] = torch.einsum("nhgk,nhkd->nhgd", a, values).reshape(end - start, num_heads, -1).to(q.dtype)
     return out
 
 
