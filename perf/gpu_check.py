@@ -30,6 +30,7 @@ from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
 from sglang_kvx.ops.block_sparse import (  # noqa: E402
     block_sparse_attention, compress_blocks, row_blocks, select_blocks)
 from sglang_kvx.ops.state_snapshot import _cupy_available  # noqa: E402
+from sglang_kvx.ops.window_attention import flashinfer_supports  # noqa: E402
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float | None]:
@@ -151,11 +152,11 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
                    "torch_reference_s": torch_s})
     args = (q, k_cache, v_cache, block_slots, block_positions, want_sel, q_positions, dim ** -0.5)
     want, torch_s = timed(lambda: block_sparse_attention(*args, impl="torch"), device, repeats)
-    got, triton_s = timed(lambda: block_sparse_attention(*args, impl="triton"), device, repeats)
-    checks.append({"case": f"block_sparse_attention_{n}", "max_abs_err": float((got.float() - want.float()).abs().max()),
-                   "tolerance": tolerance(dtype),
-                   "triton_s": triton_s, "torch_reference_s": torch_s,
-                   "speedup": round(torch_s / triton_s, 2) if triton_s else None})
+    for impl in ["triton"] + (["flashinfer"] if flashinfer_supports(q, k_cache, v_cache) else []):
+        got, impl_s = timed(lambda: block_sparse_attention(*args, impl=impl), device, repeats)
+        checks.append({"case": f"block_sparse_attention_{impl}_{n}", "tolerance": tolerance(dtype),
+                       "max_abs_err": float((got.float() - want.float()).abs().max()), f"{impl}_s": impl_s,
+                       "torch_reference_s": torch_s, "speedup": round(torch_s / impl_s, 2) if impl_s else None})
     return checks
 
 

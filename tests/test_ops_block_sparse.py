@@ -169,10 +169,46 @@ def test_the_cupy_compression_matches_the_reference() -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing flashinfer's CuTe kernels
+def test_flashinfer_path_plumbing_with_a_stand_in(monkeypatch) -> None:
+    """One batch decode per KV head, each query's chosen cells its page list: equals the reference
+    (FlashInfer's calls bound to the installed package's signatures, computed by a torch stand-in)."""
+    import inspect
+
+    from test_ops_window_attention import _StandInDecodeWrapper
+
+    from sglang_kvx.ops import window_attention as window_module
+    from sglang_kvx.ops.flashinfer_block_sparse import block_sparse_attention_flashinfer
+
+    try:
+        import flashinfer
+
+        _StandInDecodeWrapper.real = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        inspect.signature(flashinfer.BatchDecodeWithPagedKVCacheWrapper.run)
+    except ImportError:
+        _StandInDecodeWrapper.real = None
+    stand_in = type(sys)("flashinfer")
+    stand_in.BatchDecodeWithPagedKVCacheWrapper = _StandInDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    monkeypatch.setattr(window_module, "_flashinfer_wrappers", {})
+    monkeypatch.setattr(window_module, "_FLASHINFER_WORKSPACE_BYTES", 16)
+    case = random_row(9, n=45, queries=7)
+    keys = compress_blocks(case["k_cache"], case["block_slots"])
+    chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], 4, 1, case["scaling"])
+    args = (case["q"], case["k_cache"], case["v_cache"], case["block_slots"], case["block_positions"], chosen,
+            case["q_positions"], case["scaling"])
+    got = block_sparse_attention_flashinfer(*args)
+    assert torch.allclose(got, block_sparse_attention(*args, impl="torch"), atol=1e-5)
+
+
 def test_bad_dispatch_is_refused(monkeypatch) -> None:
     case = random_row(4)
     with pytest.raises(RuntimeError, match="needs cupy"):
         compress_blocks(case["k_cache"], case["block_slots"], impl="cupy")  # CPU tensors
+    chosen = torch.zeros((case["q"].shape[0], 2, 1), dtype=torch.long)
+    with pytest.raises(RuntimeError, match="FlashInfer block-sparse attention needs"):
+        block_sparse_attention(case["q"], case["k_cache"], case["v_cache"], case["block_slots"], case["block_positions"],
+                               chosen, case["q_positions"], case["scaling"], impl="flashinfer")
     monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "cuda")
     with pytest.raises(ValueError, match="SGLANG_KVX_BLOCK_SPARSE_IMPL"):
         compress_blocks(case["k_cache"], case["block_slots"])

@@ -26,10 +26,12 @@ cells a compacted layer borrowed from other layers' buffers (``compact/layout.py
 per forward, so a regrouped child's blocks may span both.
 
 Each op has a torch reference (the source of truth) and a Triton kernel behind one dispatch
-(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton | cupy; auto: Triton on CUDA; the block
-compression runs a CuPy kernel where CuPy imports, ``ops/cupy_block_sparse.py``, untested here). On CUDA the
-selected blocks are also the page list of a page-size-4 paged FlashInfer wrapper; that path needs
-a GPU to be shown right and is a seam here. Math in float32; outputs in q's dtype.
+(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton | cupy | flashinfer; auto: Triton on CUDA;
+the block compression runs a CuPy kernel where CuPy imports, ``ops/cupy_block_sparse.py``, and the
+attention FlashInfer's batch decode where it imports, ``ops/flashinfer_block_sparse.py``: SGLang's
+pool is a paged cache of page size 1, so the chosen blocks' cells are each query's page list; both
+untested on a GPU here).
+Math in float32; outputs in q's dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import os
 import torch
 
 BLOCK = 4  # entries per block (the seed's four-token blocks)
-_IMPLS = ("auto", "torch", "triton", "cupy")  # cupy: block compression only
+_IMPLS = ("auto", "torch", "triton", "cupy", "flashinfer")  # cupy: the compression; flashinfer: the attention
 
 
 def _impl(impl: str | None) -> str:
@@ -51,7 +53,7 @@ def _impl(impl: str | None) -> str:
 
 def _use_triton(impl: str | None, device: torch.device) -> bool:
     impl = _impl(impl)
-    return impl == "triton" or (impl in ("auto", "cupy") and device.type == "cuda")
+    return impl == "triton" or (impl in ("auto", "cupy", "flashinfer") and device.type == "cuda")
 
 
 def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +214,21 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_positions: torch.Tensor, selected: torch.Tensor, q_positions: torch.Tensor,
                            scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
                            extra_values: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, Hq, Dv]: each query head over its KV head's selected blocks (entries at or before it)."""
+    """[N, Hq, Dv]: each query head over its KV head's selected blocks (entries at or before it).
+    Dispatch: FlashInfer on CUDA where it imports and takes the shapes (cells in the pool only),
+    else Triton on CUDA, else the reference."""
+    from sglang_kvx.ops.window_attention import flashinfer_supports
+
+    chosen = _impl(impl)
+    in_pool = extra_keys is None or extra_keys.numel() == 0
+    if chosen == "flashinfer" or (chosen == "auto" and in_pool and flashinfer_supports(q, k_cache, v_cache)):
+        if not (in_pool and flashinfer_supports(q, k_cache, v_cache)):
+            raise RuntimeError("the FlashInfer block-sparse attention needs flashinfer, CUDA tensors, fp16/bf16 q, "
+                               "K and V of one head size in (64, 128, 256), and every cell in the pool")
+        from sglang_kvx.ops.flashinfer_block_sparse import block_sparse_attention_flashinfer
+
+        return block_sparse_attention_flashinfer(q, k_cache, v_cache, block_slots, block_positions, selected,
+                                                 q_positions, scaling)
     if _use_triton(impl, q.device):
         from sglang_kvx.ops.triton_block_sparse import block_sparse_attention_triton
 
