@@ -147,3 +147,20 @@ def test_too_long_request_is_refused_and_server_keeps_serving(served):
     assert "context length" in response.text.lower() or "longer than" in response.text.lower(), response.text
     prompt = ref.encode(make_text(20, seed=52))
     assert generate_ids(server, prompt, max_new_tokens=8)["output_ids"] == ref.greedy(prompt, 8)
+
+
+def test_kv_fields_a_plain_server_would_ignore_are_refused(served):
+    """Launched without the extension's flags the server is plain SGLang: a request asking it for
+    compaction or a decode step gets a 400 saying so instead of being served as if it had not asked;
+    fields that ask for nothing (compact: false) pass."""
+    name, server, ref = served
+    prompt = ref.encode(make_text(20, seed=5))
+    for kvx, field in (({"policy": "knorm", "keep_fraction": 0.5}, "policy"),
+                       ({"decode": {"step": "streamingllm", "window": 8}}, "decode")):
+        response = server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2,
+                                                                             "custom_params": {"kvx": kvx}}})
+        assert response.status_code == 400, response.text
+        assert f"custom_params.kvx.{field}: this server runs without the KV extension" in response.text
+    response = server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2,
+                                                                         "custom_params": {"kvx": {"compact": False}}}})
+    assert response.status_code == 200, response.text

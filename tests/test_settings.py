@@ -97,6 +97,14 @@ def test_the_door_refuses_what_would_reach_the_scheduler_broken(kwargs, fragment
     assert problem is not None and fragment in problem, problem
 
 
+def test_the_door_refuses_kv_fields_a_server_without_the_extension_would_ignore():
+    plain = dict(rid=None, input_ids=[1, 2], vocab_size=99, generates=True, extension_active=False)
+    problem = door_problem(sampling_params={"custom_params": {"kvx": {"decode": {"step": "h2o", "budget": 8}}}}, **plain)
+    assert problem.startswith("custom_params.kvx.decode: this server runs without the KV extension")
+    assert "keep_fraction" in door_problem(sampling_params={"custom_params": {"kvx": {"keep_fraction": 0.5}}}, **plain)
+    assert door_problem(sampling_params={"custom_params": {"kvx": {"compact": False, "tenant": "a"}}}, **plain) is None
+
+
 def test_the_door_lets_good_requests_through():
     assert door_problem(rid="mine", sampling_params={"custom_params": {"kvx": {"policy": "knorm"}}},
                         input_ids=[0, 98], vocab_size=99, generates=True) is None

@@ -4,8 +4,9 @@ An AFTER hook on the tokenizer manager's own per-request validation (the narrowe
 every generate request with its token ids, for ``/generate``, ``/v1/completions`` and chat alike):
 a ValueError raised there is SGLang's 400 with our message. Refused here: a bad
 ``custom_params.kvx`` (strict types, see ``sglang_kvx.settings``), token ids outside the
-vocabulary, an empty prompt asked to generate, and client request ids in the extension's
-internal namespace.
+vocabulary, an empty prompt asked to generate, client request ids in the extension's internal
+namespace, and a ``custom_params.kvx`` asking for compaction or a decode step from a server where the
+extension does nothing (launched without its flags), which would otherwise ignore it silently.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def register_door() -> None:
 
 
 def after_validate_one_request(_result, tokenizer_manager, obj, input_ids=None, *_args, **_kwargs) -> None:
+    from sglang_kvx.adapter.server_config import config_of
+
     problem = door_problem(
+        extension_active=config_of(tokenizer_manager.server_args).enabled,
         rid=getattr(obj, "rid", None),
         sampling_params=getattr(obj, "sampling_params", None),
         input_ids=input_ids,
@@ -48,7 +52,8 @@ def mark_parallel_sampling(sampling_params) -> None:
         sampling_params["custom_params"] = custom
 
 
-def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates: bool) -> str | None:
+def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates: bool,
+                 extension_active: bool = True) -> str | None:
     """Why a request must be refused before the scheduler (None: let it in). Pure, for the tests."""
     rids = rid if isinstance(rid, list) else [rid]
     if any(isinstance(r, str) and r.startswith(INTERNAL_RID_PREFIX) for r in rids):
@@ -57,9 +62,14 @@ def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates:
     custom = params.get("custom_params")
     if isinstance(custom, dict) and "kvx" in custom:
         try:
-            parse_request_fields(custom["kvx"])
+            fields = parse_request_fields(custom["kvx"])
         except SettingsError as exc:
             return str(exc)
+        asked = [name for name in ("policy", "keep_fraction", "protected_prefix_len", "allocation", "decode")
+                 if getattr(fields, name) is not None]
+        if asked and not extension_active:
+            return (f"custom_params.kvx.{asked[0]}: this server runs without the KV extension, which would ignore it; "
+                    f"launch it with --kvx-policy NAME or --kvx-decode-steps on")
     if input_ids is not None and generates:
         if len(input_ids) == 0 and (params.get("max_new_tokens") is None or params.get("max_new_tokens") != 0):
             return "the prompt is empty: send text or input_ids with at least one token"
