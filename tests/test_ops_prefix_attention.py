@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention, prefix_cells_attention_reference
 
+from interpreter import interpreted_lines
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,10 +94,8 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter() -> None:
         "    worst = max(worst, float((got - want).abs().max()))\n"
         "print(worst)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert float(result.stdout.strip().splitlines()[-1]) < 1e-2  # bf16 outputs round at ~4e-3
+    lines = interpreted_lines(code)
+    assert float(lines[-1]) < 1e-2  # bf16 outputs round at ~4e-3
 
 
 def test_bad_shapes_and_cpu_triton_are_refused(monkeypatch) -> None:
