@@ -135,8 +135,13 @@ class DecodeSettings:
     step: str
     options: tuple[tuple[str, int | float], ...] = ()
 
+    @property
+    def step_class(self) -> type[DecodeStep]:
+        """The step's class: its facts (``reads_hidden``, ``drops``, ``needs`` ...) without building one."""
+        return DECODE_STEPS[self.step]
+
     def build(self) -> DecodeStep:
-        return DECODE_STEPS[self.step](**dict(self.options))
+        return self.step_class(**dict(self.options))
 
 
 class DecodeSettingsError(ValueError):

@@ -128,7 +128,7 @@ class Admission:
         if context is None:
             self.make_room(wanted, tenant=tenant)
             return False
-        if state.decode is not None and state.decode.build().drops:
+        if state.decode is not None and state.decode.step_class.drops:
             if state.fields.decode is not None:
                 request.abort(f"sglang_kvx: decode step {state.decode.step!r} evicts entries, which does not yet "
                               f"apply to a child of a compacted context; send it with \"compact\": false")

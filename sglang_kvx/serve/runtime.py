@@ -20,7 +20,6 @@ import torch
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
-from sglang_kvx.decode import DECODE_STEPS
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
@@ -116,7 +115,7 @@ class Runtime:
         child = self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
         state = request.state
         if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
-                and not request.finished and state.decode.build().reads_hidden):
+                and not request.finished and state.decode.step_class.reads_hidden):
             request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
                           f"the server has none (--kvx-oda-head)")
             return None
@@ -129,7 +128,7 @@ class Runtime:
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
         if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
-                and DECODE_STEPS[state.decode.step].reads_attention):
+                and state.decode.step_class.reads_attention):
             return WHOLE  # online H2O scores each entry by what every query of the context paid it
         return None
 
