@@ -29,8 +29,13 @@ _QUERY_BLOCK = 256
 
 
 class _Capture:
-    def __init__(self, window: int, column_sums: bool, inv_freq: torch.Tensor | None = None) -> None:
-        self.window = window
+    """What one forward records. ``lengths``: each batch row's real length (rows are right-padded to
+    the longest); ``windows``: how many last queries of each row to keep. Every per-layer list holds
+    the rows of a layer one after another (layer-major), so row b of layer l is entry l * B + b."""
+
+    def __init__(self, lengths: list[int], windows: list[int], column_sums: bool, inv_freq: torch.Tensor | None = None) -> None:
+        self.lengths = lengths
+        self.windows = windows
         self.column_sums = column_sums
         self.inv_freq = inv_freq  # RoPE frequencies: record query statistics when set
         self.query_statistics: list[QueryStatistics] = []
@@ -45,33 +50,47 @@ class _Capture:
 _active: _Capture | None = None
 
 
-def _capturing_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Causal eager attention for one sequence that also records what the policies read."""
-    capture = _active
-    group = query.shape[1] // key.shape[1]
-    q = query[0].float()  # [Hq, n, D]
-    k = key[0].float().repeat_interleave(group, dim=0)
-    v = value[0].float().repeat_interleave(group, dim=0)
+def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, col_sums: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of one row, float32 [Hq, n, D] (k, v already repeated to Hq), one query block at a time."""
     n = q.shape[1]
     out = torch.empty_like(q)
-    col_sums = torch.zeros(q.shape[0], n) if capture is not None and capture.column_sums else None
+    positions = torch.arange(n, device=q.device)
     for start in range(0, n, _QUERY_BLOCK):
         end = min(start + _QUERY_BLOCK, n)
         logits = q[:, start:end] @ k.transpose(1, 2) * scaling
-        future = torch.arange(n)[None, :] > torch.arange(start, end)[:, None]
+        future = positions[None, :] > positions[start:end, None]
         probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
         out[:, start:end] = probs @ v
         if col_sums is not None:
             col_sums += probs.sum(dim=1)
-    if capture is not None:
-        capture.keys.append(key[0].float().clone())
-        capture.values.append(value[0].float().clone())
-        capture.window_queries.append(q[:, max(0, n - capture.window):].clone())
+    return out
+
+
+def _capturing_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Causal eager attention, row by row, that also records what the policies read.
+
+    A right-padded row attends over its real tokens only; its padding positions get zeros (causal:
+    no real token ever reads them, so they need no meaningful value)."""
+    capture = _active
+    group = query.shape[1] // key.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)  # [B, Hq, S, D]
+    lengths = capture.lengths if capture is not None else [query.shape[2]] * query.shape[0]
+    for row, n in enumerate(lengths):
+        q = query[row, :, :n].float()  # [Hq, n, D]
+        k = key[row, :, :n].float().repeat_interleave(group, dim=0)
+        v = value[row, :, :n].float().repeat_interleave(group, dim=0)
+        col_sums = torch.zeros(q.shape[0], n, device=q.device) if capture is not None and capture.column_sums else None
+        out[row, :, :n] = _row_attention(q, k, v, scaling, col_sums)
+        if capture is None:
+            continue
+        capture.keys.append(key[row, :, :n].float().clone())
+        capture.values.append(value[row, :, :n].float().clone())
+        capture.window_queries.append(q[:, max(0, n - capture.windows[row]):].clone())
         if col_sums is not None:
             capture.attention_column_sums.append(col_sums)
         if capture.inv_freq is not None:
-            capture.query_statistics.append(query_statistics(q, torch.arange(n), capture.inv_freq))
-    return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
+            capture.query_statistics.append(query_statistics(q, torch.arange(n, device=q.device), capture.inv_freq.to(q.device)))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 @contextlib.contextmanager
@@ -90,9 +109,9 @@ def _gdn_capture(capture: _Capture) -> Iterator[None]:
 
     def recording_with(original):
         def recording(query, key, value, g, beta, **kwargs):
-            capture.gdn.append(
-                GDNLayerSignals(beta=beta[0].float().clone(), g=g[0].float().clone(), v_norm=value[0].float().norm(dim=-1))
-            )
+            for row, n in enumerate(capture.lengths):
+                capture.gdn.append(GDNLayerSignals(beta=beta[row, :n].float().clone(), g=g[row, :n].float().clone(),
+                                                   v_norm=value[row, :n].float().norm(dim=-1)))
             return original(query, key, value, g=g, beta=beta, **kwargs)
 
         return recording
@@ -117,12 +136,35 @@ def context_signals(
     queries: bool = True,
 ) -> ContextSignals:
     """Prefill ``context_ids`` once in HF and return everything a policy may read."""
+    return batch_context_signals(ref, [context_ids], windows=[window], protected_prefix_len=protected_prefix_len,
+                                 column_sums=column_sums, queries=queries)[0]
+
+
+@torch.no_grad()
+def batch_context_signals(
+    ref: HFReference,
+    sequences: list[list[int]],
+    *,
+    windows: list[int],
+    protected_prefix_len: int = 0,
+    column_sums: bool = True,
+    queries: bool = True,
+) -> list[ContextSignals]:
+    """``context_signals`` of several sequences in one forward (right-padded to the longest), one
+    ContextSignals per sequence, on the model's device; ``windows[i]``: window queries kept for sequence i.
+
+    Padding is exact for the real tokens: every layer of these models (attention, GDN's causal
+    conv and chunked delta rule, norms, MLPs) is causal or per-token, so no real token reads a pad."""
     global _active
     from transformers import AttentionInterface
 
     model, config = ref.model, ref.model.config
+    device = next(model.parameters()).device
+    lengths = [len(ids) for ids in sequences]
+    batch = len(sequences)
     AttentionInterface.register(CAPTURE_ATTENTION, _capturing_attention)
-    capture = _Capture(window=window, column_sums=column_sums, inv_freq=rope_inv_freq(model) if queries else None)
+    capture = _Capture(lengths=lengths, windows=list(windows), column_sums=column_sums,
+                       inv_freq=rope_inv_freq(model) if queries else None)
     hooks = []
     layers = model.model.layers
     attention_ids = ref.attention_layer_ids
@@ -133,16 +175,21 @@ def context_signals(
         head_dim = config.head_dim
 
         def record_gate(_module, _inputs, output):
-            gate = output[0].view(output.shape[1], -1, 2 * head_dim)[..., head_dim:]
-            capture.gates.append(torch.sigmoid(gate.float()).mean(dim=-1))  # [n, Hq]
+            for row, n in enumerate(lengths):
+                gate = output[row, :n].view(n, -1, 2 * head_dim)[..., head_dim:]
+                capture.gates.append(torch.sigmoid(gate.float()).mean(dim=-1))  # [n, Hq]
 
         hooks = [layers[i].self_attn.q_proj.register_forward_hook(record_gate) for i in attention_ids]
+    pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
+    ids = torch.full((batch, max(lengths)), pad, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     previous = config._attn_implementation
     model.set_attn_implementation(CAPTURE_ATTENTION)
     _active = capture
     try:
         with _gdn_capture(capture):
-            model(torch.tensor([context_ids]), use_cache=False)
+            model(ids.to(device), use_cache=False)
     finally:
         _active = None
         model.set_attn_implementation(previous)
@@ -151,22 +198,32 @@ def context_signals(
 
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     gdn_before = [sum(t == "linear_attention" for t in layer_types[:i]) for i in attention_ids]
-    return ContextSignals(
-        n=len(context_ids),
-        num_q_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        keys=capture.keys,
-        values=capture.values,
-        window_queries=capture.window_queries,
-        attention_column_sums=capture.attention_column_sums if column_sums else None,
-        output_gate=capture.gates or None,
-        query_statistics=capture.query_statistics or None,
-        gdn=capture.gdn,
-        gdn_layer_of_attention=gdn_before,
-        protected_prefix_len=protected_prefix_len,
-        rope_theta=_rope_theta(config),
-    )
+    def rows(entries: list, empty: list | None = None) -> list:
+        """Layer-major captures -> one list per sequence (``empty`` when nothing was captured)."""
+        return [entries[row::batch] for row in range(batch)] if entries else [empty] * batch
+
+    keys, values, window_queries = rows(capture.keys, []), rows(capture.values, []), rows(capture.window_queries, [])
+    col_sums, gates, stats, gdn = (rows(capture.attention_column_sums), rows(capture.gates),
+                                   rows(capture.query_statistics), rows(capture.gdn, []))
+    return [
+        ContextSignals(
+            n=lengths[row],
+            num_q_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            keys=keys[row],
+            values=values[row],
+            window_queries=window_queries[row],
+            attention_column_sums=col_sums[row] if column_sums else None,
+            output_gate=gates[row],
+            query_statistics=stats[row],
+            gdn=gdn[row],
+            gdn_layer_of_attention=gdn_before,
+            protected_prefix_len=protected_prefix_len,
+            rope_theta=_rope_theta(config),
+        )
+        for row in range(batch)
+    ]
 
 
 def rope_inv_freq(model) -> torch.Tensor:
