@@ -2,8 +2,9 @@
 
 Each estimator is a one-hidden-layer MLP (64 units, ReLU) on the standardised features of
 ``gatesight.features``. All of a model's estimators live in one safetensors file as stacked
-tensors, with a manifest naming the model they were trained for; loading them for another
-model is refused (the features would mean something else).
+tensors, with a manifest naming the model they were trained for (its fingerprint and, since
+GPU training, its config hash); loading them for another model is refused (the features would
+mean something else), and the refusal names the command that trains the right ones.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ FORMAT = "sglang_kvx.gatesight/1"
 WEIGHTS_FILE = "estimator.safetensors"
 MANIFEST_FILE = "manifest.json"
 _FINGERPRINT_SAMPLE = 1 << 20  # bytes hashed from each end of a weights file
+# A checkpoint this large takes hours to label on CPU: the training hint then names a GPU.
+_GPU_HINT_BYTES = 256 << 20
 
 
 class EstimatorMismatch(ValueError):
@@ -43,6 +46,35 @@ def model_fingerprint(model_path: str | Path) -> str:
             f.seek(max(0, size - _FINGERPRINT_SAMPLE))
             digest.update(f.read())
     return digest.hexdigest()
+
+
+def config_hash(model_path: str | Path) -> str:
+    """sha256 of the checkpoint's config.json as canonical JSON (sorted keys, no whitespace): the
+    architecture the estimator's features are laid out for, whatever the file's formatting.
+    Recorded beside the fingerprint so a refusal can say whether the config or the weights differ."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model_path} has no config.json: not a local model checkpoint")
+    canonical = json.dumps(json.loads(config_file.read_text()), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def train_command(model_path: str | Path) -> str:
+    """The command that trains estimators for ``model_path``; a large checkpoint gets the GPU
+    options (in its own dtype when that is a 16-bit one)."""
+    command = f"python -m sglang_kvx.training.train_gatesight --model {model_path}"
+    root = Path(model_path)
+    if sum(f.stat().st_size for f in root.glob("*.safetensors")) >= _GPU_HINT_BYTES:
+        command += " --device cuda"
+        try:
+            from sglang_kvx.config import text_config
+
+            cfg = text_config(json.loads((root / "config.json").read_text()))
+            dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+        except (OSError, ValueError):
+            dtype = ""
+        command += f" --dtype {dtype if dtype in ('bfloat16', 'float16') else 'bfloat16'}"
+    return command
 
 
 @dataclass
@@ -119,29 +151,53 @@ class GateSightEstimator:
 
 
 def check_model(manifest: dict[str, Any], model_path: str | Path, where: str | Path = "estimator") -> None:
+    """Refuse (EstimatorMismatch) an estimator not trained for ``model_path``. A manifest that records
+    the config hash says which differs, the config (other architecture: the features mean something
+    else) or only the weights; a manifest from before config hashes is judged by the fingerprint
+    alone (it covers config.json too)."""
+    name = manifest.get("model_name")
+    recorded_config = manifest.get("config_hash")
+    if recorded_config is not None:
+        actual_config = config_hash(model_path)
+        if recorded_config != actual_config:
+            raise EstimatorMismatch(
+                f"GateSight estimator {where} was trained for model {name!r}, whose config.json differs from "
+                f"{model_path}'s (config hash {str(recorded_config)[:12]} vs {actual_config[:12]}); "
+                f"train one with: {train_command(model_path)}"
+            )
     fingerprint = model_fingerprint(model_path)
     if manifest.get("model_fingerprint") != fingerprint:
+        same_config = "the same config.json but other weights: " if recorded_config is not None else ""
         raise EstimatorMismatch(
-            f"GateSight estimator {where} was trained for model {manifest.get('model_name')!r} "
-            f"(fingerprint {str(manifest.get('model_fingerprint'))[:12]}), not for {model_path} "
-            f"(fingerprint {fingerprint[:12]}); train one with: python -m sglang_kvx.training.train_gatesight --model {model_path}"
+            f"GateSight estimator {where} was trained for model {name!r} ({same_config}"
+            f"fingerprint {str(manifest.get('model_fingerprint'))[:12]}), not for {model_path} "
+            f"(fingerprint {fingerprint[:12]}); train one with: {train_command(model_path)}"
         )
 
 
 def find_estimator(model_path: str | Path, search_roots: list[Path] | None = None) -> Path:
     """The estimator folder trained for ``model_path``: ``<model>/gatesight`` first, then every
-    ``weights/gatesight/*`` whose manifest names this model's fingerprint."""
+    ``weights/gatesight/*`` whose manifest names this model's fingerprint (and, when it records
+    one, its config hash)."""
     from sglang_kvx.models.demo import weights_root
 
     candidates = [Path(model_path) / "gatesight"]
     for root in search_roots or [weights_root() / "gatesight"]:
         candidates += sorted(p for p in Path(root).glob("*") if p.is_dir())
     fingerprint = model_fingerprint(model_path)
+    config = config_hash(model_path)
+    near = []  # trained for this config, other weights: worth naming in the refusal
     for candidate in candidates:
         manifest_file = candidate / MANIFEST_FILE
-        if manifest_file.is_file() and json.loads(manifest_file.read_text()).get("model_fingerprint") == fingerprint:
+        if not manifest_file.is_file():
+            continue
+        manifest = json.loads(manifest_file.read_text())
+        if manifest.get("model_fingerprint") == fingerprint and manifest.get("config_hash", config) == config:
             return candidate
+        if manifest.get("config_hash") == config:
+            near.append(str(candidate))
+    others = f" ({', '.join(near)} fit this config but were trained on other weights)" if near else ""
     raise EstimatorMismatch(
-        f"no GateSight estimator was trained for {model_path}; train one with: "
-        f"python -m sglang_kvx.training.train_gatesight --model {model_path} (or pass --kvx-estimator DIR)"
+        f"no GateSight estimator was trained for {model_path}{others}; train one with: "
+        f"{train_command(model_path)} (or pass --kvx-estimator DIR)"
     )
