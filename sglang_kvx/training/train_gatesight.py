@@ -3,6 +3,16 @@
     OMP_NUM_THREADS=1 python -m sglang_kvx.training.train_gatesight --model weights/tiny-hybrid-deep \\
         [--docs-cache runs/gatesight_docs.pt]   # about 30 minutes on one core, most of it labelling
 
+A real hybrid checkpoint (Qwen3.5 / Qwen3-Next family) on a GPU, the model in its bf16 weights:
+
+    python -m sglang_kvx.training.train_gatesight --model /path/to/checkpoint --device cuda \\
+        --dtype bfloat16 [--batch-size 4] [--docs-cache runs/<name>_docs.pt]
+
+``--dtype`` is only the model's forward: the captured signals, queries, keys, values and o_proj
+weight are cast to float32 before features and leave-one-out labels are computed, and documents
+are kept on the CPU. ``--batch-size`` labels that many (context + continuation) sequences per
+forward, right-padded (exact: every layer is causal or per-token); the MLPs train on ``--device``.
+
 1. Documents: evaluation-suite sessions at training-only seeds (the suite evaluates seeds below
    1000; these start at 10**6), each a context and several questions with their answers.
 2. One HF forward per (context + question + answer) gives the context's GDN signals and output
@@ -13,7 +23,8 @@
    ridge regression, the best single signal (chosen on the training documents) and an age-only MLP.
 4. Held-out documents: overlap@10% (share of the true top-10% entries a predictor's top-10%
    recovers) and utility-mass coverage (share of the document's utility its top-10% holds),
-   per predictor; the estimator and its manifest (with this report) go to weights/gatesight/<model>/.
+   per predictor; the estimator and its manifest (with this report, the checkpoint's fingerprint
+   and config hash) go to weights/gatesight/<model>/.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_kvx.gatesight.estimator import GateSightEstimator, model_fingerprint
+from sglang_kvx.gatesight.estimator import GateSightEstimator, config_hash, model_fingerprint
 from sglang_kvx.gatesight.features import AGE_FEATURES, GDN_WINDOW, all_layer_features
 from sglang_kvx.gatesight.labels import leave_one_out_change, utility_labels
 
@@ -39,6 +50,8 @@ DEFAULT_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multik
                  "niah_multivalue", "niah_multiquery", "vt", "qa_1", "qa_2")
 HIDDEN_UNITS = 64
 TOP_FRACTION = 0.1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ACCELERATOR_BATCH = 4  # --batch-size default off the CPU (on the CPU batching is no faster: 1)
 
 
 @dataclass
@@ -52,42 +65,93 @@ class Document:
 # --- data ------------------------------------------------------------------------
 
 
-def label_document(ref, context_ids: list[int], continuations: list[list[int]], window: int = GDN_WINDOW) -> Document:
-    """Features from the context's prefill and utility labels from every continuation."""
-    from sglang_kvx.reference.signals import context_signals
+def _context_features(signals, n: int, window: int) -> tuple[torch.Tensor, list[float]]:
+    """Features [L, n, F] (float32, CPU) and per-layer mean output gates of the context, read from the
+    signals of a (context + continuation) forward. Causal model: the first n tokens' signals are
+    exactly the context-only prefill's."""
+    signals.n = n
+    for gdn in signals.gdn:
+        gdn.beta, gdn.g, gdn.v_norm = gdn.beta[:n].float(), gdn.g[:n].float(), gdn.v_norm[:n].float()
+    features = all_layer_features(signals, window).float().cpu()
+    gate_means = [float(g[:n].float().mean()) for g in signals.output_gate] if signals.output_gate else []
+    return features, gate_means
 
-    model = ref.model
-    attention_ids = ref.attention_layer_ids
-    n = len(context_ids)
-    changes: list[list[torch.Tensor]] = [[] for _ in attention_ids]
-    features = gate_means = None
-    for continuation in continuations:
-        signals = context_signals(ref, context_ids + continuation, window=len(continuation), column_sums=False)
-        if features is None:
-            # Causal model: the first n tokens' signals are exactly the context-only prefill's.
-            signals.n = n
-            for gdn in signals.gdn:
-                gdn.beta, gdn.g, gdn.v_norm = gdn.beta[:n], gdn.g[:n], gdn.v_norm[:n]
-            features = all_layer_features(signals, window)
-            gate_means = [float(g[:n].mean()) for g in signals.output_gate] if signals.output_gate else []
-        for layer, layer_id in enumerate(attention_ids):
-            attn = model.model.layers[layer_id].self_attn
-            changes[layer].append(
-                leave_one_out_change(signals.window_queries[layer], signals.keys[layer], signals.values[layer],
-                                     attn.o_proj.weight.detach(), n, attn.scaling)
-            )
-    labels = torch.stack([utility_labels(per_layer) for per_layer in changes])
+
+def _continuation_changes(ref, signals, n: int) -> list[torch.Tensor]:
+    """Per attention layer, the leave-one-out change [Hkv, T, n] of the continuation's queries, in
+    float32 whatever the model's dtype (a bf16 o_proj or cache would round the labels), on the model's device."""
+    changes = []
+    for layer, layer_id in enumerate(ref.attention_layer_ids):
+        attn = ref.model.model.layers[layer_id].self_attn
+        changes.append(leave_one_out_change(signals.window_queries[layer].float(), signals.keys[layer].float(),
+                                            signals.values[layer].float(), attn.o_proj.weight.detach().float(),
+                                            n, attn.scaling))
+    return changes
+
+
+def _document(per_layer_changes: list[list[torch.Tensor]], features: torch.Tensor, gate_means: list[float]) -> Document:
+    labels = torch.stack([utility_labels(per_layer) for per_layer in per_layer_changes]).float().cpu()
     return Document(task="", features=features, labels=labels, gate_means=gate_means)
 
 
+def label_document(ref, context_ids: list[int], continuations: list[list[int]], window: int = GDN_WINDOW) -> Document:
+    """Features from the context's prefill and utility labels from every continuation: one forward
+    per continuation. The unbatched reference ``label_documents`` must agree with."""
+    from sglang_kvx.reference.signals import context_signals
+
+    n = len(context_ids)
+    changes: list[list[torch.Tensor]] = [[] for _ in ref.attention_layer_ids]
+    features = gate_means = None
+    for continuation in continuations:
+        signals = context_signals(ref, context_ids + continuation, window=len(continuation), column_sums=False)
+        for layer, change in enumerate(_continuation_changes(ref, signals, n)):
+            changes[layer].append(change)
+        if features is None:
+            features, gate_means = _context_features(signals, n, window)
+    return _document(changes, features, gate_means)
+
+
+def label_documents(ref, documents: list[tuple[list[int], list[list[int]]]], batch_size: int = 1,
+                    window: int = GDN_WINDOW, progress: tqdm | None = None) -> list[Document]:
+    """``label_document`` of every (context ids, continuations), ``batch_size`` (context + continuation)
+    sequences per forward, in order (a document's continuations mostly share a batch: similar lengths,
+    little padding). Each document is finished (labels reduced, moved to the CPU) as soon as its last
+    continuation is labelled, so only a batch's worth of signals is ever on the device."""
+    from sglang_kvx.reference.signals import batch_context_signals
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sequences = [(d, c) for d, (_, continuations) in enumerate(documents) for c in range(len(continuations))]
+    changes: list[list[list[torch.Tensor]]] = [[[] for _ in ref.attention_layer_ids] for _ in documents]
+    features: list[tuple[torch.Tensor, list[float]] | None] = [None] * len(documents)
+    done: list[Document | None] = [None] * len(documents)
+    for start in range(0, len(sequences), batch_size):
+        batch = sequences[start : start + batch_size]
+        ids = [documents[d][0] + documents[d][1][c] for d, c in batch]
+        windows = [len(documents[d][1][c]) for d, c in batch]
+        for (d, c), signals in zip(batch, batch_context_signals(ref, ids, windows=windows, column_sums=False, queries=False)):
+            n = len(documents[d][0])
+            for layer, change in enumerate(_continuation_changes(ref, signals, n)):
+                changes[d][layer].append(change)
+            if features[d] is None:
+                features[d] = _context_features(signals, n, window)
+            if c == len(documents[d][1]) - 1:
+                done[d] = _document(changes[d], *features[d])
+                changes[d] = []  # free the device tensors
+                if progress is not None:
+                    progress.update()
+    return done
+
+
 def build_documents(ref, count: int, seed: int, tasks: tuple[str, ...], lengths: tuple[int, ...],
-                    questions: int, desc: str) -> list[Document]:
+                    questions: int, desc: str, batch_size: int = 1) -> list[Document]:
     from sglang_kvx.eval import generate_session
 
     rng = random.Random(seed)
     tokenizer = ref.tokenizer
-    docs = []
-    for i in tqdm(range(count), desc=desc, dynamic_ncols=True):
+    items: list[tuple[list[int], list[list[int]]]] = []
+    names = []
+    for i in range(count):  # sessions first (cheap): the labelling can then batch across documents
         task, length = tasks[i % len(tasks)], lengths[(i // len(tasks)) % len(lengths)]
         index = rng.randrange(10**6)
         for asked in range(questions, 0, -1):  # a short context may not fit every question
@@ -101,9 +165,12 @@ def build_documents(ref, count: int, seed: int, tasks: tuple[str, ...], lengths:
         context_ids = tokenizer(session.context).input_ids
         continuations = [tokenizer(turn.question).input_ids + tokenizer(" " + ", ".join(turn.answers)).input_ids
                          for turn in session.turns]
-        doc = label_document(ref, context_ids, continuations)
+        items.append((context_ids, continuations))
+        names.append(task)
+    with tqdm(total=count, desc=desc, dynamic_ncols=True) as bar:
+        docs = label_documents(ref, items, batch_size=batch_size, progress=bar)
+    for doc, task in zip(docs, names):
         doc.task = task
-        docs.append(doc)
     return docs
 
 
@@ -135,22 +202,26 @@ LOSSES = ("mse", "listwise")
 
 
 def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: int, lr: float = 3e-3,
-              batch: int = 4096, desc: str = "estimator", loss: str = "listwise") -> GateSightEstimator:
+              batch: int = 4096, desc: str = "estimator", loss: str = "listwise",
+              device: str | torch.device = "cpu") -> GateSightEstimator:
     """Every (layer, head) MLP trained together (stacked weights).
 
     ``mse``: squared error on the max-normalised utility labels, ``batch`` rows shuffled across documents.
     ``listwise`` (the default): one document per step; per layer and head, cross-entropy between the document's utility
     distribution (labels / their sum) and the softmax of the predictions over its entries. Only a
     head's ranking within one document matters for its top-K, and this loss scores exactly that;
-    MSE spends most of its effort on the many near-zero labels."""
+    MSE spends most of its effort on the many near-zero labels.
+
+    Runs on ``device``; the initial weights and the shuffles are drawn on the CPU from ``seed``, so
+    every device starts from the same estimator. The result is on the CPU."""
     if loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}; choose from {LOSSES}")
     torch.manual_seed(seed)
     num_layers, num_heads = docs[0].labels.shape[:2]
-    x = torch.stack([torch.cat([d.features[l] for d in docs]) for l in range(num_layers)])  # [L, N, F]
-    y = torch.stack([torch.cat([d.labels[l] for d in docs], dim=1) for l in range(num_layers)])  # [L, H, N]
+    x = torch.stack([torch.cat([d.features[l] for d in docs]) for l in range(num_layers)]).to(device)  # [L, N, F]
+    y = torch.stack([torch.cat([d.labels[l] for d in docs], dim=1) for l in range(num_layers)]).to(device)  # [L, H, N]
     if columns is not None:
-        keep = torch.zeros(x.shape[2], dtype=torch.bool)
+        keep = torch.zeros(x.shape[2], dtype=torch.bool, device=device)
         keep[columns] = True
         x = x * keep  # other inputs read as zero: an estimator restricted to these columns
     mean, std = x.mean(dim=1), x.std(dim=1).clamp_min(1e-4)
@@ -158,10 +229,10 @@ def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: in
         mean, std = mean * keep, torch.where(keep, std, torch.ones_like(std))
     xs = (x - mean[:, None]) / std[:, None]
     num_features = x.shape[2]
-    w1 = (torch.randn(num_layers, num_heads, num_features, HIDDEN_UNITS) / math.sqrt(num_features)).requires_grad_()
-    b1 = torch.zeros(num_layers, num_heads, HIDDEN_UNITS, requires_grad=True)
-    w2 = (torch.randn(num_layers, num_heads, HIDDEN_UNITS) / math.sqrt(HIDDEN_UNITS)).requires_grad_()
-    b2 = torch.zeros(num_layers, num_heads, requires_grad=True)
+    w1 = (torch.randn(num_layers, num_heads, num_features, HIDDEN_UNITS) / math.sqrt(num_features)).to(device).requires_grad_()
+    b1 = torch.zeros(num_layers, num_heads, HIDDEN_UNITS, device=device, requires_grad=True)
+    w2 = (torch.randn(num_layers, num_heads, HIDDEN_UNITS) / math.sqrt(HIDDEN_UNITS)).to(device).requires_grad_()
+    b2 = torch.zeros(num_layers, num_heads, device=device, requires_grad=True)
     params = [w1, b1, w2, b2]
     optimizer = torch.optim.Adam(params, lr=lr)
 
@@ -182,6 +253,7 @@ def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: in
     bar = tqdm(total=steps, desc=desc, dynamic_ncols=True)
     for _ in range(epochs):
         for idx in batches():
+            idx = idx.to(device)
             pred, target = predict(idx), y[:, :, idx]
             if loss == "mse":
                 value = (pred - target).pow(2).mean()
@@ -195,8 +267,8 @@ def train_mlp(docs: list[Document], columns: slice | None, epochs: int, seed: in
             bar.update()
             bar.set_postfix({loss: f"{value.item():.5f}"})
     bar.close()
-    return GateSightEstimator(w1=w1.detach(), b1=b1.detach(), w2=w2.detach(), b2=b2.detach(),
-                              feature_mean=mean, feature_std=std)
+    return GateSightEstimator(w1=w1.detach().cpu(), b1=b1.detach().cpu(), w2=w2.detach().cpu(), b2=b2.detach().cpu(),
+                              feature_mean=mean.cpu(), feature_std=std.cpu())
 
 
 def fit_ridge(docs: list[Document], alpha: float = 1.0) -> list[list[torch.Tensor]]:
@@ -306,7 +378,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--docs-cache", default=None,
                         help="file of labelled documents: reused when it was built with the same model and data "
                              "arguments, else (re)built and written; labelling is most of the run (default: none)")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device the model labels on and the MLPs train on, e.g. cpu, cuda, cuda:1 "
+                             "(default: %(default)s)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="dtype of the model's weights in the labelling forward; signals and labels are "
+                             "float32 whatever it is (default: %(default)s; bfloat16 for a real checkpoint on a GPU)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="(context + continuation) sequences per labelling forward, right-padded; the labels "
+                             f"do not depend on it (default: 1 on cpu, where batching is no faster; {ACCELERATOR_BATCH} "
+                             "on an accelerator)")
     return parser
+
+
+def _check_device(parser: argparse.ArgumentParser, name: str) -> torch.device:
+    """The torch device ``name``, or a parser error when this machine cannot allocate on it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        parser.error(f"--device {name!r} is not a torch device ({exc})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}, "
+                     f"built with CUDA {torch.version.cuda or 'none'}); use --device cpu")
+    try:
+        torch.empty(1, device=device)  # an index past the last GPU, an absent MPS / XPU backend, ...
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        parser.error(f"--device {name} cannot be used here: {exc}")
+    return device
+
+
+def _check_model(parser: argparse.ArgumentParser, model: str) -> None:
+    """Refuse, before anything loads, a --model that is not a local hybrid GDN checkpoint with
+    gated attention layers (the signals GateSight reads, as the server checks them)."""
+    from sglang_kvx.config import KvxConfigError, model_traits
+
+    try:
+        traits = model_traits(model)
+    except (KvxConfigError, ValueError, OSError) as exc:
+        parser.error(f"--model {model}: cannot read its config.json ({exc})")
+    if traits is None:
+        parser.error(f"--model {model}: no config.json there (a local checkpoint folder is needed)")
+    if not (traits.has_gdn and traits.has_output_gate):
+        parser.error(f"--model {model}: {traits.architecture} is not a supported hybrid checkpoint: GateSight "
+                     f"reads the GDN (linear_attention) layers and gated attention outputs of the Qwen3.5 / "
+                     f"Qwen3-Next family ({'it has no GDN layers' if not traits.has_gdn else 'it has no output gates'})")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -314,27 +429,40 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from sglang_kvx.reference.hf import HFReference
 
+    device = _check_device(parser, args.device)
+    _check_model(parser, args.model)
+    batch_size = args.batch_size if args.batch_size is not None else (1 if device.type == "cpu" else ACCELERATOR_BATCH)
+    if batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {batch_size}")
     torch.set_num_threads(1)  # the GDN chunked rule hits a denormal slow path with more
     started = time.monotonic()
-    ref = HFReference(args.model)
+    ref = HFReference(args.model, dtype=DTYPES[args.dtype])
+    try:
+        ref.model.to(device)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        parser.error(f"--model {args.model}: transformers cannot load it ({type(exc).__name__}: {exc})")
     tasks = tuple(t for t in args.tasks.split(",") if t)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     data_key = {"model_fingerprint": model_fingerprint(args.model), "train_docs": args.train_docs,
                 "heldout_docs": args.heldout_docs, "tasks": list(tasks), "lengths": list(lengths),
                 "questions": args.questions, "seed": args.seed}
+    if args.dtype != "float32":  # other labels; float32 caches from before --dtype keep their key
+        data_key["dtype"] = args.dtype
     cached = load_documents(args.docs_cache, data_key) if args.docs_cache else None
     if cached is not None:
         train_docs, heldout = cached
     else:
-        train_docs = build_documents(ref, args.train_docs, args.seed, tasks, lengths, args.questions, "label train docs")
-        heldout = build_documents(ref, args.heldout_docs, args.seed + 1, tasks, lengths, args.questions, "label held-out docs")
+        train_docs = build_documents(ref, args.train_docs, args.seed, tasks, lengths, args.questions, "label train docs",
+                                     batch_size=batch_size)
+        heldout = build_documents(ref, args.heldout_docs, args.seed + 1, tasks, lengths, args.questions,
+                                  "label held-out docs", batch_size=batch_size)
         if args.docs_cache:
             save_documents(args.docs_cache, data_key, train_docs, heldout)
     gdn_heads = ref.model.config.linear_num_value_heads
     num_features = train_docs[0].features.shape[2]
-    estimator = train_mlp(train_docs, None, args.epochs, args.seed, loss=args.loss)
+    estimator = train_mlp(train_docs, None, args.epochs, args.seed, loss=args.loss, device=device)
     age_only = train_mlp(train_docs, slice(num_features - AGE_FEATURES, num_features), args.epochs, args.seed,
-                         desc="age-only", loss=args.loss)
+                         desc="age-only", loss=args.loss, device=device)
     ridge = fit_ridge(train_docs)
     heuristic = choose_heuristic(train_docs, gdn_heads)
 
@@ -357,6 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
     estimator.manifest = {
         "model_name": model_name,
         "model_fingerprint": model_fingerprint(args.model),
+        "config_hash": config_hash(args.model),  # lets a refusal tell another config from other weights
+        "label_dtype": args.dtype,
         "num_attention_layers": len(ref.attention_layer_ids),
         "num_kv_heads": ref.model.config.num_key_value_heads,
         "gdn_heads": gdn_heads,
