@@ -247,6 +247,7 @@ def build_config(
     auto_context_min_tokens: str | int = 0,
     attention_backend: str | None = None,
     sparse_attention: str | int = 0,
+    page_size: int = 1,
 ) -> KvxConfig:
     """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
     import_policy_modules(policy_modules)
@@ -274,6 +275,15 @@ def build_config(
     )
     if config.sparse_budget and config.decode_steps:
         raise KvxConfigError("--kvx-sparse-attention cannot be combined with decode-time steps yet")
+    if page_size > 1:
+        # Compaction fills whole pages (allocate.fill_pages); these free or hold slots one at a time.
+        if policy_cls.second_pass:
+            raise KvxConfigError(f"kvx policy {policy!r} is not supported with --page-size {page_size} yet: its "
+                                 f"reconstruction passes hold the context in slots that are not whole pages")
+        for refused, what in ((config.decode_steps, "decode-time steps (--kvx-decode, --kvx-decode-steps)"),
+                              (config.sparse_budget, "block-sparse attention (--kvx-sparse-attention)")):
+            if refused:
+                raise KvxConfigError(f"{what}: not supported with --page-size {page_size} yet; serve with --page-size 1")
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")

@@ -171,6 +171,7 @@ class ServerDefaults:
     growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
     decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
     gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)
+    page_size: int = 1  # SGLang's --page-size
 
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
@@ -208,6 +209,9 @@ def resolve_settings(fields: RequestFields, server: ServerDefaults) -> Compactio
         raise SettingsError(
             f"policy {policy_name!r} is not supported with --tp-size {server.tp_size} yet: {policy_cls.tp_unsafe}"
         )
+    if server.page_size > 1 and policy_cls.second_pass:
+        raise SettingsError(f"policy {policy_name!r} is not supported with --page-size {server.page_size} yet: "
+                            f"its reconstruction passes hold the context in slots that are not whole pages")
     allocation = fields.allocation or policy_cls.allocation
     problem = allocation_tp_problem(allocation) if server.tp_size > 1 else None
     if problem:

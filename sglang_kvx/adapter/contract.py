@@ -119,7 +119,7 @@ ATTRIBUTES: dict[str, list[str]] = {
         "finished", "owned_kv_len",
     ],
     "sglang.srt.managers.scheduler.Scheduler": [
-        "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "server_args",
+        "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "page_size", "server_args",
         "model_config", "max_total_num_tokens", "handle_generate_request", "metrics_collector",
     ],
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [

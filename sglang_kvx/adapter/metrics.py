@@ -17,6 +17,8 @@ COUNTERS = {
     "compactions_failed": ("sglang:kvx_compactions_failed_total", "Compactions that failed inside the server (the context stays uncompacted)."),
     "compactions_skipped_no_room": ("sglang:kvx_compactions_skipped_no_room_total", "Parents left uncompacted for lack of room."),
     "compactions_skipped_empty": ("sglang:kvx_compactions_skipped_empty_total", "Parents whose settings keep no entry."),
+    "compactions_skipped_keeps_all": ("sglang:kvx_compactions_skipped_keeps_all_total",
+                                      "Parents whose kept entries, in whole pages, would fill the whole context."),
     "contexts_evicted": ("sglang:kvx_contexts_evicted_total", "Compacted contexts evicted to make room."),
     "bytes_freed": ("sglang:kvx_bytes_freed_total", "KV bytes compaction gave back to the pool (all attention layers)."),
     "oda_routed_steps": ("sglang:kvx_oda_routed_steps_total", "Decode steps On-Demand Attention routed."),

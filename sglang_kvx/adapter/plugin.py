@@ -78,6 +78,7 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
             protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
             estimator=getattr(args, "kvx_estimator", ""),
             tp_size=int(server_args.tp_size or 1),
+            page_size=int(server_args.page_size or 1),
             policy_modules=getattr(args, "kvx_policy_modules", ""),
             decode_steps=getattr(args, "kvx_decode_steps", "off"),
             min_store_fraction=getattr(args, "kvx_min_store_fraction", "0.25"),

@@ -9,6 +9,7 @@ from sglang_kvx.allocate.base import (
     allocation_names,
     allocation_needs,
     allocation_tp_problem,
+    fill_pages,
     flat_budget,
     get_allocation,
     layer_budgets,
@@ -18,4 +19,4 @@ from sglang_kvx.allocate.base import (
 # Importing an allocation module registers it.
 from sglang_kvx.allocate import flat, gate, pyramid  # noqa: F401,E402
 
-__all__ = ["ALLOCATIONS", "allocation_names", "allocation_needs", "allocation_tp_problem", "flat_budget", "get_allocation", "layer_budgets", "register_allocation"]
+__all__ = ["ALLOCATIONS", "allocation_names", "allocation_needs", "allocation_tp_problem", "fill_pages", "flat_budget", "get_allocation", "layer_budgets", "register_allocation"]

@@ -125,3 +125,34 @@ def proportional_with_cap(weights: list[float], total: float, cap: float) -> lis
             free.remove(i)
             remaining -= cap
     return shares
+
+
+def fill_pages(budgets: list[int], num_budgeted: int, protected_prefix_len: int, page_size: int, fold: bool = True) -> list[int]:
+    """Budgets raised so that a compacted context fills whole pages of SGLang's paged pool.
+
+    With ``--page-size`` P > 1 a child continues after the context's slots on a fresh page only if
+    the context holds a multiple of P slots; a partial last page would be shared by every child.
+    The context holds S = ceil(sum of kept / L) slots when layers fold (else the largest layer's
+    kept count), each kept = protected_prefix_len + budget. Every cell of the ceil(S / P) pages is
+    given an entry: the smallest budgets are raised first, one entry at a time, none above
+    ``num_budgeted``. When the pages hold more than the whole context the budgets come back capped
+    at ``num_budgeted`` (everything kept) and the slot count is not a page multiple: the caller
+    decides (compaction then frees nothing and is skipped).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if page_size == 1 or not budgets:
+        return list(budgets)
+    num_layers = len(budgets)
+    kept = [protected_prefix_len + b for b in budgets]
+    slots = -(-sum(kept) // num_layers) if fold else max(kept)
+    paged = -(-slots // page_size) * page_size
+    if not fold:  # every layer owns the context's slots: each fills them
+        return [min(paged - protected_prefix_len, num_budgeted) for _ in budgets]
+    out = list(budgets)
+    for _ in range(paged * num_layers - sum(kept)):
+        open_layers = [i for i in range(num_layers) if out[i] < num_budgeted]
+        if not open_layers:
+            break
+        out[min(open_layers, key=lambda i: (out[i], i))] += 1
+    return out

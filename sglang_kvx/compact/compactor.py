@@ -27,6 +27,10 @@ from sglang_kvx.store import CompactedContext, PrefixCells
 logger = logging.getLogger(__name__)
 
 
+class NothingFreed(Exception):
+    """Rounded up to whole pages, the kept entries would fill as many slots as the whole context."""
+
+
 class PoolLayers(Sequence):
     """Per attention layer, the context's keys (or values) as [kv_heads, n, D] float32, read from the
     pool when indexed: a policy that never reads them costs nothing, one that does holds one layer."""
@@ -49,7 +53,8 @@ class Compactor:
     """Compacts contexts held in one scheduler's pool into ``CompactedContext`` records."""
 
     def __init__(self, pool: KVPool, policy_of: Callable[[str], KVPolicy], num_q_heads: int,
-                 attention_layer_ids: list[int], gdn_layer_ids: list[int], per_layer_lengths: bool) -> None:
+                 attention_layer_ids: list[int], gdn_layer_ids: list[int], per_layer_lengths: bool,
+                 page_size: int = 1) -> None:
         self.pool = pool
         self.policy_of = policy_of
         self.num_q_heads = num_q_heads
@@ -59,6 +64,9 @@ class Compactor:
         # Layers lend each other empty cells only when attention can read per-layer lengths and
         # every layer's entries have one shape and dtype.
         self.fold = per_layer_lengths and pool.can_fold
+        # SGLang's pool pages (--page-size): a compacted context fills whole pages, so children
+        # continue on pages of their own.
+        self.page_size = page_size
 
     def read_signals(self, slots: torch.Tensor, protected: int) -> ContextSignals:
         """The context in ``slots``: keys (and values) per attention layer, read lazily."""
@@ -71,8 +79,13 @@ class Compactor:
         )
 
     def choose(self, signals: ContextSignals, settings: CompactionSettings) -> tuple[KeepSet, PrefixLayout]:
-        keep = choose_keep_set(self.policy_of(settings.policy), signals, settings.keep_fraction, settings.allocation)
-        return keep, fold_layers(keep.kept_per_layer, fold=self.fold)
+        keep = choose_keep_set(self.policy_of(settings.policy), signals, settings.keep_fraction, settings.allocation,
+                               page_size=self.page_size, fold=self.fold)
+        layout = fold_layers(keep.kept_per_layer, fold=self.fold)
+        if layout.num_slots % self.page_size:
+            raise NothingFreed(f"with --page-size {self.page_size} the kept entries fill as many pages as the whole "
+                               f"{signals.n}-token context; nothing would be freed")
+        return keep, layout
 
     def gather_kept(self, context_slots: torch.Tensor, slots: torch.Tensor, keep: KeepSet, layout: PrefixLayout) -> None:
         """Copy each (layer, KV head)'s kept entries, in rank order, into ``slots`` as ``layout`` places

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_kvx.allocate import layer_budgets
+from sglang_kvx.allocate import fill_pages, layer_budgets
 from sglang_kvx.ops.compaction import topk_per_head
 from sglang_kvx.policies.base import KVPolicy
 from sglang_kvx.signals import ContextSignals
@@ -66,12 +66,15 @@ def select_keep_set(scores: list[torch.Tensor], budgets: list[int], protected_pr
 
 
 def choose_keep_set(
-    policy: KVPolicy, signals: ContextSignals, keep_fraction: float, allocation: str | None = None
+    policy: KVPolicy, signals: ContextSignals, keep_fraction: float, allocation: str | None = None,
+    *, page_size: int = 1, fold: bool = True,
 ) -> KeepSet:
     """The whole score -> allocate -> select step for one prefilled context.
 
     ``allocation`` overrides the policy's own (e.g. "gate" under SnapKV scores); the policy's
-    allocation options (PyramidKV's beta) go only to its own allocation.
+    allocation options (PyramidKV's beta) go only to its own allocation. With ``page_size`` > 1
+    the budgets are raised to fill the context's last page (``allocate.fill_pages``; ``fold`` says
+    how the context's slots are counted).
     """
     protected = signals.protected_prefix_len
     if not 0 <= protected <= signals.n:
@@ -79,6 +82,7 @@ def choose_keep_set(
     name = allocation or policy.allocation
     options = policy.allocation_options if name == policy.allocation else {}
     budgets = layer_budgets(name, keep_fraction, signals.n - protected, signals.num_layers, signals, **options)
+    budgets = fill_pages(budgets, signals.n - protected, protected, page_size, fold)
     scores = policy.score_layers(signals, budgets)
     for layer, layer_scores in enumerate(scores):
         expected = (signals.num_kv_heads, signals.n)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from sglang_kvx.compact.compactor import Compactor
+from sglang_kvx.compact.compactor import Compactor, NothingFreed
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.flops import oda_flops
@@ -61,7 +61,7 @@ class Runtime:
                                    held_slots=self.held_slots)
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
-                                   defaults.per_layer_lengths)
+                                   defaults.per_layer_lengths, defaults.page_size)
         # On-Demand Attention's recall head, when one is trained for this model (else oda is refused).
         self.recall_head = load_recall_head(config) if config.decode_steps and config.oda_head else None
         if self.recall_head is not None:
@@ -78,6 +78,7 @@ class Runtime:
         self.gdn_from_backend = False
         self.skipped_no_room = 0
         self.degenerate = 0  # parents whose settings keep no entry
+        self.skipped_keeps_all = 0  # parents whose kept entries, in whole pages, fill the whole context
         self.errors: list[str] = []  # why compactions failed (the context then stays uncompacted)
         self.failures = 0
 
@@ -262,14 +263,19 @@ class Runtime:
             state.outcome = {"compacted": False, "reason": f"a context of {n} tokens is too short to compact"}
             return  # served and cached as an ordinary request
         context_slots = self.pool.row(request.row, n)
-        context = self.compactor.compact(
-            tuple(int(t) for t in request.input_ids), context_slots, settings,
-            take_slots=lambda count: self._rank_slots(request, context_slots, count),
-            fill_signals=lambda signals: recording.fill(signals, self.compactor.gdn_layer_ids,
-                                                        self.compactor.attention_layer_ids) if recording else None,
-            gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
-            timings={"capture_s": recording.seconds if recording is not None else 0.0},  # inside the prefill
-        )
+        try:
+            context = self.compactor.compact(
+                tuple(int(t) for t in request.input_ids), context_slots, settings,
+                take_slots=lambda count: self._rank_slots(request, context_slots, count),
+                fill_signals=lambda signals: recording.fill(signals, self.compactor.gdn_layer_ids,
+                                                            self.compactor.attention_layer_ids) if recording else None,
+                gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
+                timings={"capture_s": recording.seconds if recording is not None else 0.0},  # inside the prefill
+            )
+        except NothingFreed as why:
+            self.skipped_keeps_all += 1
+            state.outcome = {"compacted": False, "reason": str(why)}
+            return
         if context is None:
             self.skipped_no_room += 1
             state.outcome = {"compacted": False, "reason": "no room in the pool for the compacted slots"}
@@ -325,6 +331,7 @@ class Runtime:
             "store_reserved_slots": self.admission.reserved_slots(),
             "compactions_skipped_no_room": self.skipped_no_room,
             "compactions_skipped_empty": self.degenerate,
+            "compactions_skipped_keeps_all": self.skipped_keeps_all,
             "compactions_failed": self.failures,
             "contexts_evicted": self.admission.evicted,
             "evictions_deferred_to_waiting": self.admission.deferred,
