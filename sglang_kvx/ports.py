@@ -13,6 +13,22 @@ from typing import Any, Protocol, Sequence
 import torch
 
 
+class TensorParallel(Protocol):
+    """The scheduler's tensor-parallel group (``--tp-size`` > 1): this rank and two collectives.
+    Every rank must make the same calls in the same order (the ranks run the same requests in lockstep)."""
+
+    rank: int
+    size: int
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's ``tensor`` (one shape on all ranks), concatenated along ``dim`` in rank order."""
+        ...
+
+    def all_agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank."""
+        ...
+
+
 class KVPool(Protocol):
     """One scheduler's KV pool, allocator and (on hybrid models) recurrent-state pool."""
 

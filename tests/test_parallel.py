@@ -134,7 +134,61 @@ def test_start_up_refuses_a_policy_ranks_would_disagree_on(demo_paths) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "sglang.launch_server", "--model-path", demo_paths["tiny-hybrid-deep"],
-         "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--tp-size", "2", "--max-total-tokens", "4096"],
+         "--kvx-policy", "kvzip", "--kvx-keep-fraction", "0.2", "--tp-size", "2", "--max-total-tokens", "4096"],
         capture_output=True, text=True, timeout=120,
     )
-    assert result.returncode == 2 and "'gatesight' is not supported with --tp-size 2" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 2 and "'kvzip' is not supported with --tp-size 2" in result.stderr, result.stderr[-2000:]
+
+
+def test_rank_kv_heads_follow_sglangs_split() -> None:
+    from sglang_kvx.signals import rank_kv_heads
+
+    assert [rank_kv_heads(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [rank_kv_heads(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated heads
+    with pytest.raises(ValueError):
+        rank_kv_heads(3, 0, 2)
+
+
+@pytest.mark.slow
+def test_gatesight_and_gate_budgets_under_tensor_parallelism(demo_paths, references) -> None:
+    """--tp-size 2 on the hybrid: each rank holds one KV head, two of the four query heads' output
+    gates and two of the four value heads of every GDN layer. The ranks gather those signals, so
+    GateSight's features and the gate budgets are the whole model's: the keep-set equals the
+    single-rank server's, and the children equal the oracle applying it."""
+    name = "tiny-hybrid-deep"
+    ref = references[name]
+    rng = random.Random(13)
+    context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(260)) + "\n")
+    questions = [ref.encode(f"Question {i}: which word comes next? Answer:") for i in range(2)]
+    cases = [("gatesight", None, 0.2), ("gatesight", "flat", 0.1), ("snapkv", "gate", 0.3)]
+
+    def run(*flags: str) -> tuple[list, list, list]:
+        kept, keeps, answers = [], [], []
+        with ServerProcess(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", *flags,
+                           max_total_tokens=4096) as server:
+            for policy, allocation, fraction in cases:
+                kvx = {"policy": policy, "keep_fraction": fraction, **({"allocation": allocation} if allocation else {})}
+                settings = {"custom_params": {"kvx": kvx}}
+                response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+                assert response.status_code == 200, response.text
+                entries = [e for e in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+                           if e["policy"] == policy and e["keep_fraction"] == fraction]
+                assert len(entries) == 1
+                kept.append(entries[0]["kept_entries"])
+                keeps.append([torch.tensor(layer) for layer in entries[0]["positions"]])
+                answers.append([server.generate({"input_ids": context + q, "return_logprob": True, "sampling_params": {
+                    "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}}).json() for q in questions])
+            assert server.stats()["compactions_failed"] == 0
+        return kept, keeps, answers
+
+    kept_1, keeps_1, answers_1 = run()
+    kept_2, keeps_2, answers_2 = run("--tp-size", "2")
+    assert kept_2 == kept_1  # every rank's budgets came from the whole model's gates
+    for (policy, allocation, fraction), one, two, by_one, by_two in zip(cases, keeps_1, keeps_2, answers_1, answers_2):
+        for layer_one, layer_two in zip(one, two):
+            assert layer_two.shape[0] == 1 and torch.equal(layer_two[0], layer_one[0]), (policy, allocation)  # rank 0's head
+        for question, body_one, body_two in zip(questions, by_one, by_two):
+            expected_ids, expected_lp = ref.compacted_generate(context, one, question, 6)
+            assert body_one["output_ids"] == expected_ids == body_two["output_ids"], (policy, allocation)
+            served_lp = [e[0] for e in body_two["meta_info"]["output_token_logprobs"]]
+            assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4

@@ -73,6 +73,10 @@ def test_resolution_checks_the_model_and_parallelism():
     with pytest.raises(SettingsError, match="not supported with --tp-size 2"):
         resolve_settings(parse_request_fields({"policy": "kvzip"}), tp)
     assert resolve_settings(parse_request_fields({"policy": "snapkv"}), tp).policy == "snapkv"
+    paged = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, page_size=16)
+    with pytest.raises(SettingsError, match="not supported with --page-size 16"):
+        resolve_settings(parse_request_fields({"policy": "kvzip"}), paged)
+    assert resolve_settings(parse_request_fields({"policy": "pyramidkv"}), paged).policy == "pyramidkv"
     mla = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, per_layer_lengths=False)
     with pytest.raises(SettingsError, match="per-layer lengths"):
         resolve_settings(parse_request_fields({"policy": "pyramidkv"}), mla)

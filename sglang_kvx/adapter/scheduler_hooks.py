@@ -16,7 +16,7 @@ import torch
 
 from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
-from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, decode_sub_batch
+from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ def build_runtime(scheduler, config):
         attention_layer_ids=attention_ids, gdn_layer_ids=gdn_ids, rope_inv_freq=rope_inv_freq(hf, pool.head_dim),
         submit=submit, tokenizer=getattr(scheduler, "tokenizer", None), context_len=scheduler.model_config.context_len,
         gates=getattr(runner.attn_backend, "gates", None),  # the kvx_gated backend's (learned-gate family only)
+        tp=SGLangTensorParallel() if int(scheduler.tp_size) > 1 else None, num_kv_heads_total=hf.num_key_value_heads,
     )
 
 
@@ -348,7 +349,7 @@ def after_attention(output, layer, q, k, v, forward_batch, *args, **kwargs):
     runtime.recorder.attention(index, q, batch, layer.tp_q_head_num, layer.qk_head_dim, layer.scaling)
     gate = layer.__dict__.pop("_kvx_pending_gate", None)  # Qwen3-Next's, left by after_qwen3_next_prepare
     if gate is not None:
-        runtime.recorder.output_gate(index, gate, batch)
+        runtime.recorder.output_gate(index, gate, batch, layer.tp_q_head_num)
     return output
 
 
@@ -368,7 +369,7 @@ def after_prepare_qkv_gate(result, decoder_layer, positions, hidden_states, forw
     if link is not None and link.runtime.recorder and result[3] is not None:
         index = link.runtime.compactor.layer_index.get(decoder_layer.attn.layer_id)
         if index is not None:
-            link.runtime.recorder.output_gate(index, result[3], link.batch(forward_batch))
+            link.runtime.recorder.output_gate(index, result[3], link.batch(forward_batch), decoder_layer.attn.tp_q_head_num)
     return result
 
 

@@ -14,6 +14,31 @@ from sglang_kvx.ports import Segment
 STATE_ATTR = "_kvx_state"  # on a Req: its serve.admission.RequestState
 
 
+class SGLangTensorParallel:
+    """The scheduler's tensor-parallel group (SGLang's ``get_tp_group()``), as ``ports.TensorParallel``.
+    CPU tensors go over the group's gloo ``cpu_group`` (SGLang's CPU all-gather wants sgl-kernel's
+    shared-memory op, which PyPI wheels lack); device tensors over its device group."""
+
+    def __init__(self) -> None:
+        from sglang.srt.distributed import get_tp_group
+
+        self._group = get_tp_group()
+        self.rank = int(self._group.rank_in_group)
+        self.size = int(self._group.world_size)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if not tensor.is_cpu:
+            return self._group.all_gather(tensor, dim)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, tensor, group=self._group.cpu_group)
+        return torch.cat(parts, dim=dim)
+
+    def all_agree(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self._group.cpu_group)
+        return bool(flag.item())
+
+
 class SGLangKVPool:
     """One scheduler's KV pool (by attention-layer index), token allocator, prefix cache and state pool."""
 

@@ -25,7 +25,8 @@ from sglang_kvx.signals import ContextSignals
 class GateSightPolicy(KVPolicy):
     needs = frozenset({"gdn", "output_gate"})
     allocation = "gate"
-    tp_unsafe = "its estimators are per global KV head and its gate budgets per global query head"
+    # Under --tp-size > 1 the runtime gathers every rank's GDN signals and output gates first
+    # (signals.gather_heads): each rank scores the whole model's features and keeps its own KV heads.
 
     def __init__(
         self,
@@ -49,17 +50,25 @@ class GateSightPolicy(KVPolicy):
         """The server's estimator folder (``--kvx-estimator``), else the one trained for ``--model-path``."""
         return cls(estimator=config.estimator or None, model_path=config.model_path or None)
 
-    def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
-        """All layers at once: the features of every attention layer, one batched MLP op."""
-        if signals.num_layers != self.estimator.num_layers or signals.num_kv_heads != self.estimator.num_kv_heads:
+    def _own_heads(self, signals: ContextSignals) -> slice:
+        """The estimators' KV heads this context's keep-set is for (a tensor-parallel rank's own)."""
+        start, end = signals.kv_heads or (0, signals.num_kv_heads)
+        if (signals.num_layers != self.estimator.num_layers or end - start != signals.num_kv_heads
+                or end > self.estimator.num_kv_heads or (signals.kv_heads is None and end != self.estimator.num_kv_heads)):
             raise ValueError(
                 f"GateSight estimators cover {self.estimator.num_layers} attention layers x {self.estimator.num_kv_heads} "
-                f"KV heads; this model has {signals.num_layers} x {signals.num_kv_heads}"
+                f"KV heads; this model has {signals.num_layers} x {signals.num_kv_heads} (heads {start}-{end - 1})"
             )
+        return slice(start, end)
+
+    def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
+        """All layers at once: the features of every attention layer, one batched MLP op."""
+        heads = self._own_heads(signals)
         utility = self.estimator.score(all_layer_features(signals, self.window), impl=self.impl)
-        return list(utility.unbind(0))
+        return list(utility[:, heads].unbind(0))
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         check_layer(signals, layer)
+        heads = self._own_heads(signals)
         features = layer_features(signals, layer, self.window)[None]
-        return self.estimator.score(features, impl=self.impl, layers=slice(layer, layer + 1))[0]
+        return self.estimator.score(features, impl=self.impl, layers=slice(layer, layer + 1))[0, heads]

@@ -23,13 +23,13 @@ from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
-from sglang_kvx.ports import KVPool, Request
+from sglang_kvx.ports import KVPool, Request, TensorParallel
 from sglang_kvx.serve.admission import Admission, RequestState
 from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.serve.shared_prefixes import SharedPrefixes
 from sglang_kvx.serve.sparse_index import SparseIndex
 from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
-from sglang_kvx.signals import CaptureSpec
+from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
 
@@ -51,7 +51,8 @@ class Runtime:
     def __init__(self, config: KvxConfig, pool: KVPool, defaults: ServerDefaults, *, num_rows: int,
                  num_q_heads: int, attention_layer_ids: list[int], gdn_layer_ids: list[int],
                  rope_inv_freq: Callable[[], torch.Tensor], submit: Callable[..., None],
-                 tokenizer: Any, context_len: int, gates: torch.Tensor | None = None) -> None:
+                 tokenizer: Any, context_len: int, gates: torch.Tensor | None = None,
+                 tp: TensorParallel | None = None, num_kv_heads_total: int | None = None) -> None:
         self.config = config
         self.pool = pool
         self.defaults = defaults
@@ -69,6 +70,8 @@ class Runtime:
         self.decode = DecodeRunner(pool, self.recall_head, gates=gates)
         self.sparse_index = SparseIndex()  # the indexer's compressed keys per row (--kvx-sparse-attention)
         self.submit = submit
+        self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
+        self.num_kv_heads_total = num_kv_heads_total or pool.num_kv_heads
         self.shared = SharedPrefixes(config.auto_context_min_tokens)
         self.auto_contexts = 0  # parents queued for shared beginnings
         self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
@@ -267,8 +270,7 @@ class Runtime:
             context = self.compactor.compact(
                 tuple(int(t) for t in request.input_ids), context_slots, settings,
                 take_slots=lambda count: self._rank_slots(request, context_slots, count),
-                fill_signals=lambda signals: recording.fill(signals, self.compactor.gdn_layer_ids,
-                                                            self.compactor.attention_layer_ids) if recording else None,
+                fill_signals=lambda signals: self._fill_signals(signals, recording, settings),
                 gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
                 timings={"capture_s": recording.seconds if recording is not None else 0.0},  # inside the prefill
             )
@@ -288,6 +290,24 @@ class Runtime:
         self.store.add(context)
         request.keep_out_of_tree()  # SGLang frees every other slot of the full context
         state.outcome = {"compacted": True, **_summary(context)}
+
+    def _fill_signals(self, signals: ContextSignals, recording, settings: CompactionSettings) -> None:
+        """What the prefill recorded, into ``signals``; under tensor parallelism the per-head signals
+        of every rank, gathered (all ranks compact the same parent at the same point, so each
+        makes the same collective calls; a recording that failed on any rank fails on all)."""
+        error = None
+        try:
+            if recording is not None:
+                recording.fill(signals, self.compactor.gdn_layer_ids, self.compactor.attention_layer_ids)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agreed
+            error = exc
+        spec = self.capture_spec(settings)
+        if self.tp is not None and (spec.gdn or spec.output_gate):
+            if not self.tp.all_agree(error is None):
+                raise error or RuntimeError("sglang_kvx: another tensor-parallel rank failed to record this context")
+            gather_heads(signals, self.tp, self.num_kv_heads_total)
+        if error is not None:
+            raise error
 
     def outcome_once(self, request: Request) -> list[dict]:
         """The request's outcome for its response's meta_info["kvx"], once, when it finishes."""

@@ -123,6 +123,8 @@ class ContextSignals:
     gdn: list[GDNLayerSignals] = field(default_factory=list)
     gdn_layer_of_attention: list[int] = field(default_factory=list)
     protected_prefix_len: int = 0
+    # Under tensor parallelism: the model's KV heads [start, end) this rank holds (None: all of them).
+    kv_heads: tuple[int, int] | None = None
     rope_theta: float | None = None
     device: torch.device | None = None  # where scores go; None = the keys' device
 
@@ -139,3 +141,30 @@ class ContextSignals:
     def group_size(self) -> int:
         """Query heads sharing one KV head (GQA)."""
         return self.num_q_heads // self.num_kv_heads
+
+
+def rank_kv_heads(total: int, rank: int, size: int) -> tuple[int, int]:
+    """The model's KV heads [start, end) that tensor-parallel rank ``rank`` of ``size`` holds:
+    contiguous equal shares, or one replicated head per ``size // total`` ranks when there are
+    fewer heads than ranks (SGLang's QKVParallelLinear)."""
+    if total < 1 or size < 1 or not 0 <= rank < size:
+        raise ValueError(f"no KV heads for rank {rank} of {size} with {total} heads")
+    if total >= size:
+        if total % size:
+            raise ValueError(f"{total} KV heads do not split over {size} ranks")
+        local = total // size
+        return rank * local, (rank + 1) * local
+    head = rank // (size // total)
+    return head, head + 1
+
+
+def gather_heads(signals: ContextSignals, tp, total_kv_heads: int) -> None:
+    """Under tensor parallelism: make the per-head signals every rank recorded for its own heads
+    (output gates per query head, GDN beta / g / ||v|| per value head) whole on every rank, so
+    budgets and features are computed from the whole model, identically on all ranks; and note
+    which KV heads this rank keeps entries for. One all-gather per signal tensor."""
+    if signals.output_gate is not None:
+        signals.output_gate = [tp.all_gather(g.contiguous(), dim=1) for g in signals.output_gate]
+    for layer in signals.gdn:
+        layer.beta, layer.g, layer.v_norm = (tp.all_gather(t.contiguous(), dim=1) for t in (layer.beta, layer.g, layer.v_norm))
+    signals.kv_heads = rank_kv_heads(total_kv_heads, tp.rank, tp.size)

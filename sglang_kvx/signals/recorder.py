@@ -170,12 +170,13 @@ class SignalRecorder:
             # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
             rec.add(rec.gdn, layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
 
-    def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch) -> None:
-        """An attention layer's output gate for the parents' tokens: mean sigmoid per query head."""
+    def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch, num_q_heads: int) -> None:
+        """An attention layer's output gate for the parents' tokens: mean sigmoid per query head
+        (``num_q_heads``: the heads this rank computes)."""
         for seg, rec in self._recorded(batch):
             if rec.spec.output_gate:
                 with rec.timed():
-                    per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, self.num_q_heads, -1)
+                    per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, num_q_heads, -1)
                     # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
                     # in place (a contiguous copy first costs ~1.5x at 4K on one core).
                     rec.add(rec.gates, layer, torch.sigmoid(per_head.float()).mean(dim=-1))
