@@ -71,7 +71,7 @@ def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, refere
         # GateSight's gate budgets, PyramidKV's, and KVzip's scores under PyramidKV budgets (folded after its
         # second pass). PyramidKV's reference budgets fall back to flat ones unless the last layer keeps at
         # least the 64-token window, so its cases keep half the context.
-        for policy, allocation, fraction in (("gatesight", None, 0.2), ("pyramidkv", None, 0.5), ("kvzip", "pyramidkv", 0.5)):
+        for policy, allocation, fraction in (("gatesight", "gate", 0.2), ("pyramidkv", None, 0.5), ("kvzip", "pyramidkv", 0.5)):
             compact(server, context, policy, fraction, allocation=allocation)
             entries = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
             (entry,) = [e for e in entries if e["policy"] == policy]

@@ -160,7 +160,7 @@ def test_gatesight_and_gate_budgets_under_tensor_parallelism(demo_paths, referen
     rng = random.Random(13)
     context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(260)) + "\n")
     questions = [ref.encode(f"Question {i}: which word comes next? Answer:") for i in range(2)]
-    cases = [("gatesight", None, 0.2), ("gatesight", "flat", 0.1), ("snapkv", "gate", 0.3)]
+    cases = [("gatesight", "gate", 0.2), ("gatesight", None, 0.1), ("snapkv", "gate", 0.3)]
 
     def run(*flags: str) -> tuple[list, list, list]:
         kept, keeps, answers = [], [], []

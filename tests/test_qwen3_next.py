@@ -39,7 +39,7 @@ def test_full_cache_matches_hf(qwen3_next):
     assert_serves_like_hf(server, ref)
 
 
-@pytest.mark.parametrize("policy,allocation", [("gatesight", None), ("keydiff", "gate")])
+@pytest.mark.parametrize("policy,allocation", [("gatesight", "gate"), ("keydiff", "gate")])
 def test_compacted_child_matches_the_oracle(qwen3_next, policy, allocation):
     """Gate budgets come from the output gates captured in SGLang's forward: equal per-layer counts
     to HF's pipeline prove the capture; the child's tokens equal HF applying the served keep-set."""
@@ -73,10 +73,10 @@ def test_gdn_signals_recomputed_on_the_gpu_route_match(qwen3_next):
                            max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
     with server:
         context = ref.encode(text(300, seed=5))
-        compact(server, context, "gatesight", 0.2, protected=4)
+        compact(server, context, "gatesight", 0.2, protected=4, allocation="gate")  # the recomputed gates too
         served = served_keep_set(server, len(context), "gatesight", 0.2)
     policy = get_policy("gatesight")(estimator=estimator, model_path=path)
-    offline = choose_keep_set(policy, context_signals(ref, context, protected_prefix_len=4), 0.2)
+    offline = choose_keep_set(policy, context_signals(ref, context, protected_prefix_len=4), 0.2, "gate")
     assert [s.shape[1] for s in served] == offline.kept_per_layer
     for got, expected in zip(served, offline.positions):
         assert overlap(got, expected) >= 0.9

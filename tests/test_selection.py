@@ -65,6 +65,18 @@ def test_gate_budgets_follow_the_mean_output_gate():
     assert layer_budgets("gate", 0.5, 100, 4, signals, exponent=0.0) == [50] * 4  # exponent 0 is flat
 
 
+def test_a_floor_gives_every_layer_part_of_the_flat_budget_first():
+    signals = gate_signals([0.1, 0.2, 0.3, 0.4])
+    # floor 0.5: 25 each, then the other 100 entries by the gates (10, 20, 30, 40).
+    assert layer_budgets("gate", 0.5, 100, 4, signals, floor=0.5) == [35, 45, 55, 65]
+    assert layer_budgets("gate", 0.5, 100, 4, signals, floor=1.0) == [50] * 4
+    assert layer_budgets("gate", 0.5, 100, 4, signals, floor=0.0) == [20, 40, 60, 80]
+    # The cap still holds: the gated share of a layer never takes it past its entries.
+    assert max(layer_budgets("gate", 0.9, 100, 3, gate_signals([0.9, 0.05, 0.05]), floor=0.5)) <= 100
+    with pytest.raises(ValueError, match="floor must be in"):
+        layer_budgets("gate", 0.5, 100, 4, signals, floor=1.5)
+
+
 def test_gate_caps_a_layer_at_its_entries_and_passes_on_the_excess():
     signals = gate_signals([0.9, 0.05, 0.05])
     budgets = layer_budgets("gate", 0.6, 100, 3, signals)
