@@ -1,6 +1,8 @@
 """Compaction cost and capacity on a real server: one long context, every served policy.
 
     OMP_NUM_THREADS=1 python perf/bench_compaction.py [--model tiny-hybrid] [--context 4096] [--keep-fraction 0.1]
+    OMP_NUM_THREADS=1 python perf/bench_compaction.py --context 65536 --chunked-prefill-size 8192 \
+        --check-chunking --pool 140000 --skip-capacity      # a long context as GPU servers chunk it
 
 Prints one JSON object. All ratios are measured in one run (these machines are noisy):
 prefill time of the context (a plain request of the same length), then per policy the
@@ -8,6 +10,11 @@ server-side time to read signals, score+select and compact, as fractions of that
 bytes moved by the compaction copy; bytes freed versus the theoretical (1 - p) of the
 context's attention KV; the time of one child on the compacted context (16-token question,
 32 tokens out); and how many compacted sessions fit in the pool versus uncompacted.
+Per policy also the bytes of the signals the parent's prefill recorded (measured on the server:
+every tensor its recording holds at compaction, the peak, since it only grows while the prefill
+runs) beside one float32 [n, query heads] tensor per attention layer (computed: what a
+full-context copy of all layers would hold at the least). ``--check-chunking`` compacts the same
+contexts on a second server prefilling each in one chunk and reports whether the keep-sets match.
 """
 
 from __future__ import annotations
@@ -35,15 +42,22 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--keep-fraction", type=float, default=0.1)
     parser.add_argument("--pool", type=int, default=32768, help="--max-total-tokens of the server")
+    parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                        help="the server's --chunked-prefill-size (default: SGLang's)")
+    parser.add_argument("--check-chunking", action="store_true",
+                        help="also compact every context on a one-chunk server and compare the keep-sets")
+    parser.add_argument("--skip-capacity", action="store_true", help="skip the sessions-per-pool count")
     args = parser.parse_args()
     ensure_demo_models()
     n, p = args.context, args.keep_fraction
     policies = servable_policy_names()
     result: dict = {"model": args.model, "context_tokens": n, "keep_fraction": p, "pool_tokens": args.pool}
-    server = ServerProcess(
-        weights_root() / args.model, "--kvx-policy", "streamingllm", "--kvx-keep-fraction", str(p),
-        "--context-length", str(2 * n + 512), max_total_tokens=args.pool,  # 2n: KVzip's reconstruction pass
-    )
+    flags = ["--kvx-policy", "streamingllm", "--kvx-keep-fraction", str(p), "--context-length", str(2 * n + 512)]  # KVzip's pass
+    chunking = [] if args.chunked_prefill_size is None else ["--chunked-prefill-size", str(args.chunked_prefill_size)]
+    env = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}  # RoPE past the demo models' 32K training length
+    config = json.loads((weights_root() / args.model / "config.json").read_text())
+    result["chunked_prefill_size"] = args.chunked_prefill_size
+    server = ServerProcess(weights_root() / args.model, *flags, *chunking, max_total_tokens=args.pool, env=env)
     with server:
         url = server.url
 
@@ -77,7 +91,10 @@ def main() -> None:
                 time.sleep(0.05)
             total_s = time.perf_counter() - t0
             stats = server.stats()
-            entry = [c for c in stats["compacted_contexts"] if c["policy"] == policy][0]
+            entries = [c for c in stats["compacted_contexts"] if c["policy"] == policy]
+            if not entries:
+                raise SystemExit(f"{policy}: the context was not compacted: {stats['last_compaction_error']} {stats}")
+            entry = entries[0]
             t = {k: entry["timings"].get(k, 0.0) for k in
                  ("capture_s", "signals_s", "second_pass_s", "accumulate_s", "score_select_s", "compact_s", "bytes_moved")}
             scoring_s = t["capture_s"] + t["signals_s"] + t["second_pass_s"] + t["score_select_s"]
@@ -97,22 +114,53 @@ def main() -> None:
                 "kept_entries": entry["kept_entries"],
                 "slots": entry["slots"],
                 "folded_entries": entry["folded_entries"],
+                "recorded_signal_bytes": int(entry["timings"].get("recorded_signal_bytes", 0)),
                 "child_s": round(child(context_ids(n, i), policy), 4),
             }
         result["policies"] = per_policy
+        num_attention_layers = len(entry["kept_entries"])
+        result["full_context_all_layers_f32_bytes_computed"] = n * config["num_attention_heads"] * num_attention_layers * 4
+        chunked_keeps = keep_sets(url) if args.check_chunking else {}
         server.flush()
 
-        # Capacity: keep compacting new contexts while a parent's full prefill still fits.
+        # Capacity: keep compacting new contexts while a parent's full prefill still fits (idle radix
+        # entries count as room: SGLang evicts them; with chunked prefill a parent's chunks stay there).
+        def room() -> int:
+            stats = server.stats()
+            return stats["kv_pool_free_tokens"] + stats["kv_pool_evictable_tokens"]
+
         sessions = 0
-        while server.stats()["kv_pool_free_tokens"] >= n + 64:
+        while not args.skip_capacity and room() >= n + 64:
             prefill(context_ids(n, 5000 + sessions), {"policy": "streamingllm", "keep_fraction": p})
             sessions += 1
-        stats = server.stats()
-        result["compacted_sessions_fit"] = sessions
-        result["uncompacted_sessions_fit"] = args.pool // n
-        result["sessions_ratio"] = round(sessions / max(1, args.pool // n), 2)
-        result["store_slots"] = stats["store_slots"]
+        if not args.skip_capacity:
+            result["compacted_sessions_fit"] = sessions
+            result["uncompacted_sessions_fit"] = args.pool // n
+            result["sessions_ratio"] = round(sessions / max(1, args.pool // n), 2)
+            result["store_slots"] = server.stats()["store_slots"]
+    if args.check_chunking:
+        one_chunk = ServerProcess(weights_root() / args.model, *flags, "--chunked-prefill-size", str(n + 1024),
+                                  max_total_tokens=args.pool, env=env)
+        with one_chunk:
+            for i, policy in enumerate(policies):
+                requests.post(one_chunk.url + "/generate", json={"input_ids": context_ids(n, i), "sampling_params": {
+                    "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}},
+                    timeout=3600).raise_for_status()
+                while one_chunk.stats()["kvzip_passes_pending"]:
+                    time.sleep(0.05)
+            whole_keeps = keep_sets(one_chunk.url)
+        for policy in policies:
+            a, b = chunked_keeps[policy], whole_keeps[policy]
+            same = sum(len(set(x) & set(y)) for la, lb in zip(a, b) for x, y in zip(la, lb))
+            total = sum(len(y) for lb in b for y in lb)
+            result["policies"][policy]["keep_set_equal_to_one_chunk"] = a == b
+            result["policies"][policy]["keep_set_overlap_with_one_chunk"] = round(same / total, 6)
     print(json.dumps(result, indent=1))
+
+
+def keep_sets(url: str) -> dict[str, list]:
+    """Each stored context's kept positions per layer and KV head, by policy."""
+    return {e["policy"]: e["positions"] for e in requests.get(url + "/kvx/keep_sets", timeout=600).json()}
 
 
 if __name__ == "__main__":

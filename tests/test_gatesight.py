@@ -229,3 +229,27 @@ def test_per_layer_scores_equal_the_batched_op(tmp_path):
     batched = policy.score_layers(signals, [5, 5])
     for layer in range(2):
         assert torch.allclose(policy.score(signals, layer), batched[layer], atol=1e-5)
+
+
+def test_a_long_context_is_scored_a_few_layers_at_a_time(monkeypatch):
+    """Under a feature-byte cap the layers are scored in groups (never every layer's features at
+    once), with the scores of one batched op over all of them."""
+    import sglang_kvx.policies.gatesight as gatesight_module
+    from sglang_kvx.gatesight.features import layer_groups
+
+    w1, b1, w2, b2 = _random_mlp(features=num_features(4))
+    estimator = GateSightEstimator(w1, b1, w2, b2, feature_mean=torch.zeros(2, num_features(4)),
+                                   feature_std=torch.ones(2, num_features(4)), manifest={"gdn_window": 6})
+    policy = gatesight_module.GateSightPolicy(estimator=estimator, impl="torch")
+    signals = _signals()
+    one_layer = signals.n * num_features(4) * 4
+    assert layer_groups(signals, 10 * one_layer) == [range(0, 2)]
+    assert layer_groups(signals, one_layer) == [range(0, 1), range(1, 2)]
+    assert layer_groups(signals, 1) == [range(0, 1), range(1, 2)]  # at least one layer per group
+    together = policy.score_layers(signals, [5, 5])
+    monkeypatch.setattr(gatesight_module, "FEATURE_BYTES", one_layer)
+    apart = policy.score_layers(signals, [5, 5])
+    full = estimator.score(all_layer_features(signals, window=6), impl="torch")
+    for layer in range(2):
+        assert torch.equal(together[layer], full[layer])
+        assert torch.allclose(apart[layer], full[layer], atol=1e-6)

@@ -42,12 +42,20 @@ def has(mapping: dict, *keys: str) -> None:
 
 
 def test_bench_compaction_smoke():
-    r = run_bench("bench_compaction.py", "--context", "256", "--pool", "1024")
+    # Prefilled in chunks of 64 tokens, and again in one chunk on a second server for the keep-sets.
+    r = run_bench("bench_compaction.py", "--context", "256", "--pool", "2048", "--chunked-prefill-size", "64",
+                  "--check-chunking", timeout=600)
     has(r, "model", "context_tokens", "keep_fraction", "prefill_s", "policies", "compacted_sessions_fit",
         "uncompacted_sessions_fit", "sessions_ratio", "store_slots")
     assert r["context_tokens"] == 256 and r["compacted_sessions_fit"] > r["uncompacted_sessions_fit"] > 0
     for policy in ("gatesight", "kvzip", "keydiff"):
         has(r["policies"][policy], "scoring_plus_compaction_frac_of_prefill", "freed_vs_theoretical", "slots", "child_s")
+    # H2O's column sums are held per KV head: 256 tokens x 2 KV heads x 2 attention layers x 4 bytes.
+    assert r["policies"]["h2o"]["recorded_signal_bytes"] == 256 * 2 * 2 * 4 < r["full_context_all_layers_f32_bytes_computed"]
+    assert r["policies"]["gatesight"]["recorded_signal_bytes"] > 0
+    assert r["chunked_prefill_size"] == 64
+    for policy, row in r["policies"].items():
+        assert row["keep_set_overlap_with_one_chunk"] >= 0.99, policy
 
 
 def test_bench_gdn_smoke():
@@ -127,3 +135,15 @@ def test_bench_sparse_attention_smoke():
     has(result, "accuracy", "index_sizes", "scan_per_decode_step", "regrouped_minus_sparse_full")
     index = result["index_sizes"]["0.5"]
     assert index["full_context_blocks"] > max(index["regrouped_blocks_per_layer"]) > 0
+
+
+def test_bench_allocation_smoke():
+    r = run_bench("bench_allocation.py", "--tasks", "niah_single_1", "--samples", "1", "--arms", "gate,floor0.5,flat",
+                  "--fractions", "0.05")
+    rows = {(row["arm"], row["keep_fraction"]): row for row in r["rows"]}
+    assert set(rows) == {("full", 1.0), ("gate", 0.05), ("floor0.5", 0.05), ("flat", 0.05)}
+    gate, floor, flat = (rows[(arm, 0.05)]["mean_budget_per_layer"] for arm in ("gate", "floor0.5", "flat"))
+    # Same total; the floor sits halfway between the gate's split and the flat one.
+    assert abs(sum(gate) - sum(flat)) <= 1 and abs(sum(floor) - sum(flat)) <= 1 and flat[0] == flat[1]
+    assert all(min(g, f) - 1 <= h <= max(g, f) + 1 for g, h, f in zip(gate, floor, flat))
+    assert len(rows[("flat", 0.05)]["needle_value_entries_kept_per_layer"]) == 2

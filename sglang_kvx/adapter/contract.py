@@ -99,6 +99,7 @@ IMPORTED: list[str] = [
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
     "sglang.srt.mem_cache.common.match_kv_cache",
+    "sglang.srt.distributed.get_tp_group",
     "sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS",
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput",
     "sglang.srt.managers.schedule_batch.FINISH_ABORT",

@@ -71,15 +71,29 @@ def layer_features(signals: ContextSignals, layer: int, window: int = GDN_WINDOW
     return out
 
 
-def all_layer_features(signals: ContextSignals, window: int = GDN_WINDOW) -> torch.Tensor:
-    """[L, n, F] for every attention layer (one batched scoring op reads this); each GDN layer's
-    block is built once, however many attention layers read it."""
+def all_layer_features(signals: ContextSignals, window: int = GDN_WINDOW, layers: range | None = None) -> torch.Tensor:
+    """[L', n, F] for the attention layers ``layers`` (default all; one batched scoring op reads
+    this); each GDN layer's block is built once, however many of those layers read it."""
     _check_gdn(signals)
+    layers = range(signals.num_layers) if layers is None else layers
     heads, n = signals.gdn[0].beta.shape[1], signals.n
-    blocks = [_gdn_block(g, n, heads) for g in signals.gdn]
+    first = min(max(0, signals.gdn_layer_of_attention[layer] - window) for layer in layers)
+    last = max(signals.gdn_layer_of_attention[layer] for layer in layers)
+    blocks = {i: _gdn_block(signals.gdn[i], n, heads) for i in range(first, last)}
     device = signals.gdn[0].beta.device
-    out = torch.empty(signals.num_layers, n, num_features(heads, window), device=device)
+    out = torch.empty(len(layers), n, num_features(heads, window), device=device)
     ages = age_features(n, device)
-    for layer in range(signals.num_layers):
-        _fill_layer(out[layer], blocks, signals.gdn_layer_of_attention[layer], window, ages)
+    for row, layer in enumerate(layers):
+        before = signals.gdn_layer_of_attention[layer]
+        chosen = [blocks[i] for i in range(max(0, before - window), before)]
+        _fill_layer(out[row], chosen, len(chosen), window, ages)
     return out
+
+
+def layer_groups(signals: ContextSignals, byte_cap: int, window: int = GDN_WINDOW) -> list[range]:
+    """Consecutive attention layers whose features together stay under ``byte_cap`` bytes (at least
+    one layer per group): a long context is scored a few layers at a time, never all at once."""
+    _check_gdn(signals)
+    per_layer = signals.n * num_features(signals.gdn[0].beta.shape[1], window) * 4  # float32
+    size = max(1, byte_cap // max(per_layer, 1))
+    return [range(start, min(start + size, signals.num_layers)) for start in range(0, signals.num_layers, size)]

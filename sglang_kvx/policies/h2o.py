@@ -29,7 +29,8 @@ QUERY_BLOCK = 512  # queries per block: bounded [q_heads, 512, S] logits at a ti
 
 
 def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, scaling: float, first_position: int) -> None:
-    """Add, per query head and key, the causal softmax attention of ``queries`` to ``sums`` [q_heads, >= S].
+    """Add, per query head and key, the causal softmax attention of ``queries`` to ``sums`` [q_heads, >= S]
+    (or [kv_heads, >= S]: summed over each KV group's query heads, all H2O reads, a group's size smaller).
 
     queries [t, q_heads, D] sit at positions first_position .. first_position + t - 1 (one prefill
     chunk); keys [S, kv_heads, D] are every key up to the last of them, post-RoPE as cached.
@@ -37,6 +38,8 @@ def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tenso
     """
     num_q_heads = queries.shape[1]
     seq_len = keys.shape[0]
+    if sums.shape[0] not in (num_q_heads, keys.shape[1]):
+        raise ValueError(f"sums for {sums.shape[0]} heads: expected {num_q_heads} query or {keys.shape[1]} KV heads")
     keys = keys.float().repeat_interleave(num_q_heads // keys.shape[1], dim=1)  # [S, q_heads, D]
     key_positions = torch.arange(seq_len, device=keys.device)
     for start in range(0, queries.shape[0], QUERY_BLOCK):
@@ -44,7 +47,8 @@ def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tenso
         logits = torch.einsum("thd,shd->hts", block, keys) * scaling
         query_positions = first_position + start + torch.arange(block.shape[0], device=keys.device)
         future = key_positions[None, :] > query_positions[:, None]
-        sums[:, :seq_len] += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)
+        block_sums = logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)  # [q_heads, S]
+        sums[:, :seq_len] += sum_over_kv_groups(block_sums, sums.shape[0])
 
 
 @register_policy("h2o")
@@ -60,7 +64,7 @@ class H2OPolicy(KVPolicy):
         return CaptureSpec(column_sums=True)
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
-        column_sums = layer_signal(signals, "attention_column_sums", layer, self.name)  # [q_heads, n]
+        column_sums = layer_signal(signals, "attention_column_sums", layer, self.name)  # [q_heads or kv_heads, n]
         accumulated = sum_over_kv_groups(column_sums.float(), signals.num_kv_heads)
         if budget is None:
             return accumulated

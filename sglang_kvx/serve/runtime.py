@@ -272,7 +272,8 @@ class Runtime:
                 take_slots=lambda count: self._rank_slots(request, context_slots, count),
                 fill_signals=lambda signals: self._fill_signals(signals, recording, settings),
                 gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
-                timings={"capture_s": recording.seconds if recording is not None else 0.0},  # inside the prefill
+                timings={"capture_s": recording.seconds if recording is not None else 0.0,  # inside the prefill
+                         "recorded_signal_bytes": recording.nbytes() if recording is not None else 0},
             )
         except NothingFreed as why:
             self.skipped_keeps_all += 1

@@ -94,7 +94,8 @@ class ContextSignals:
     keys / values: per attention layer [kv_heads, n, head_dim]; keys after RoPE, as cached.
     window_queries: per attention layer [q_heads, w, head_dim], the queries (after RoPE) of the
         last w context tokens: SnapKV's observation window.
-    attention_column_sums: per attention layer [q_heads, n], sum over every context query of its
+    attention_column_sums: per attention layer [q_heads, n] (the server keeps [kv_heads, n], summed
+        over each KV group, which is all H2O reads), sum over every context query of its
         softmax attention to each key (H2O's accumulated attention).
     output_gate: per attention layer [n, q_heads], mean |sigmoid(gate)| of the gated attention output.
     query_statistics: per attention layer, the QueryStatistics of all n context queries

@@ -53,6 +53,23 @@ class Recording:
             logger.exception("sglang_kvx: recording a parent's signals failed; it will stay uncompacted")
         self.seconds += time.perf_counter() - t0
 
+    def nbytes(self) -> int:
+        """Bytes of every tensor this recording holds (what a parent costs beside the pool until it is
+        compacted; it only grows while the prefill runs, so at compaction this is its peak)."""
+        def size(value: Any) -> int:
+            if isinstance(value, torch.Tensor):
+                return value.numel() * value.element_size()
+            if isinstance(value, dict):
+                return sum(size(v) for v in value.values())
+            if isinstance(value, (list, tuple)):
+                return sum(size(v) for v in value)
+            if hasattr(value, "__dict__"):  # e.g. TriAttention's QueryStatistics
+                return sum(size(v) for v in vars(value).values())
+            return 0
+
+        return sum(size(getattr(self, name)) for name in
+                   ("window_queries", "column_sums", "gates", "gdn", "query_stats", "conv_tail", "pass_queries"))
+
     @staticmethod
     def add(per_key: dict, key: int, value) -> None:
         per_key.setdefault(key, []).append(value)
@@ -132,9 +149,9 @@ class SignalRecorder:
                             query_statistics(queries.transpose(0, 1), positions, self._rope_inv_freq()))
                 if rec.spec.column_sums:
                     seq_len = seg.prefix_len + seg.length
-                    if rec.column_sums[layer] is None:
-                        rec.column_sums[layer] = torch.zeros(num_q_heads, rec.n, device=queries.device)
                     keys = self.pool.read_keys(layer, self.pool.row(seg.row, seq_len))
+                    if rec.column_sums[layer] is None:  # per KV head: a group's size less to hold
+                        rec.column_sums[layer] = torch.zeros(keys.shape[1], rec.n, device=queries.device)
                     add_column_sums(rec.column_sums[layer], queries, keys, scaling, seg.prefix_len)
 
     def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -1,0 +1,59 @@
+"""Long contexts as users send them: a parent prefilled in many chunks is compacted exactly as one
+prefilled in a single chunk, for every served policy.
+
+Signals recorded inside the prefill (SnapKV's window queries, H2O's column sums, TriAttention's
+query statistics, GateSight's GDN signals and output gates, KVzip's reconstruction passes) are
+accumulated chunk by chunk; this compares the keep-sets of two real servers that differ only in
+``--chunked-prefill-size``. The 64K-token run with SGLang's GPU chunk size (8,192) is
+``perf/bench_compaction.py --context 65536 --chunked-prefill-size 8192 --check-chunking``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import requests
+
+from sglang_kvx.models.tokenizer import WORDS
+from sglang_kvx.policies import servable_policy_names
+from sglang_kvx.serve.launcher import ServerProcess
+
+CONTEXT_WORDS = 1500  # about 2,900 tokens: six chunks of 512
+CHUNK = 512
+
+
+def keep_sets(path: str, context: list[int], chunk: int) -> dict[str, dict]:
+    """Every served policy's stored context on a server prefilling in chunks of ``chunk`` tokens."""
+    out = {}
+    with ServerProcess(path, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.2", "--chunked-prefill-size", str(chunk),
+                       "--context-length", "8192", max_total_tokens=16384) as server:
+        for policy in servable_policy_names():
+            kvx = {"policy": policy, "keep_fraction": 0.2, "protected_prefix_len": 4}
+            response = server.generate({"input_ids": context, "sampling_params": {
+                "max_new_tokens": 0, "custom_params": {"kvx": kvx}}})
+            assert response.status_code == 200, response.text
+            deadline = time.monotonic() + 300
+            while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+        stats = server.stats()
+        assert stats["compactions_failed"] == 0, stats["last_compaction_error"]
+        for entry in requests.get(server.url + "/kvx/keep_sets", timeout=60).json():
+            out[entry["policy"]] = entry
+    return out
+
+
+@pytest.mark.slow
+def test_many_chunks_keep_what_one_chunk_keeps(demo_paths, references) -> None:
+    name = "tiny-hybrid-deep"
+    ref = references[name]
+    rng = random.Random(17)
+    context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(CONTEXT_WORDS)) + "\n")
+    assert len(context) > 5 * CHUNK
+    chunked = keep_sets(demo_paths[name], context, CHUNK)
+    whole = keep_sets(demo_paths[name], context, 8192)
+    assert sorted(chunked) == sorted(whole) == sorted(servable_policy_names())
+    for policy in whole:
+        assert chunked[policy]["kept_entries"] == whole[policy]["kept_entries"], policy
+        assert chunked[policy]["positions"] == whole[policy]["positions"], policy
