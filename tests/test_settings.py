@@ -70,9 +70,11 @@ def test_resolution_checks_the_model_and_parallelism():
     with pytest.raises(SettingsError, match="allocation 'gate' needs output_gate"):
         resolve_settings(parse_request_fields({"allocation": "gate"}), DENSE)
     tp = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, tp_size=2)
-    with pytest.raises(SettingsError, match="not supported with --tp-size 2"):
-        resolve_settings(parse_request_fields({"policy": "kvzip"}), tp)
-    assert resolve_settings(parse_request_fields({"policy": "snapkv"}), tp).policy == "snapkv"
+    # Every served policy and allocation is rank-consistent (signals.gather_heads); a policy declaring
+    # otherwise is refused (tests/test_parallel.py, with a throwaway one).
+    assert resolve_settings(parse_request_fields({"policy": "kvzip"}), tp).policy == "kvzip"
+    assert resolve_settings(parse_request_fields({"policy": "snapkv", "allocation": "gate"}),
+                            ServerDefaults("knorm", 0.5, 0, DENSE.model_signals | {"gdn", "output_gate"}, tp_size=2)).allocation == "gate"
     paged = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, page_size=16)
     with pytest.raises(SettingsError, match="not supported with --page-size 16"):
         resolve_settings(parse_request_fields({"policy": "kvzip"}), paged)

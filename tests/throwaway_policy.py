@@ -17,6 +17,17 @@ class EvenPositions(KVPolicy):
         return (-(positions % 2)).float().expand(signals.num_kv_heads, -1)
 
 
+@register_policy("_throwaway_rank_local")
+class RankLocal(KVPolicy):
+    """Declares itself not rank-consistent: the server must refuse it under --tp-size > 1."""
+
+    needs = frozenset()
+    tp_unsafe = "planted: its scores would differ between ranks"
+
+    def score(self, signals, layer, budget=None):
+        return torch.zeros(signals.num_kv_heads, signals.n, device=signals.score_device)
+
+
 @register_policy("_throwaway_failing")
 class FailingPolicy(KVPolicy):
     """Raises while scoring: the server must contain it to this one context and go on."""

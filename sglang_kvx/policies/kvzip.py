@@ -138,7 +138,8 @@ def accumulate_reconstruction_attention(
 class KVzipPolicy(KVPolicy):
     needs = frozenset({"reconstruction"})
     second_pass = True
-    tp_unsafe = "its second pass queues internal requests from inside one rank's scheduler"
+    # Under --tp-size > 1 every rank queues the same reconstruction passes at the same point (the ranks
+    # release the same parent in lockstep), so their schedulers stay identical.
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         return layer_signal(signals, "reconstruction_attention", layer, self.name).float()
