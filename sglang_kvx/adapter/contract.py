@@ -99,6 +99,7 @@ IMPORTED: list[str] = [
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
     "sglang.srt.mem_cache.common.match_kv_cache",
+    "sglang.srt.mem_cache.common.evict_from_tree_cache",
     "sglang.srt.distributed.get_tp_group",
     "sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS",
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput",
@@ -131,6 +132,9 @@ ATTRIBUTES: dict[str, list[str]] = {
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
     "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector": ["labels"],
     "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy", "mamba_cache", "_slot_siblings"],
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
+        "available_size", "alloc", "free", "free_group", "free_group_begin", "free_group_end",
+    ],
 }
 
 

@@ -83,8 +83,22 @@ class SGLangKVPool:
         return self._req_to_token[row, :length].to(torch.long)
 
     def alloc(self, count: int) -> torch.Tensor | None:
+        if self._allocator.available_size() < count:
+            self._make_room(count)
         slots = self._allocator.alloc(count)
         return None if slots is None else slots.to(torch.long)
+
+    def _make_room(self, count: int) -> None:
+        """Evict idle radix-tree entries, as SGLang does before its own allocations (with chunked
+        prefill a parent's earlier chunks sit in the tree, so compacting it can need fresh slots).
+        While SGLang releases finished requests it batches frees in a group that counts only once
+        it ends: the group is ended and begun again so the evicted slots can be taken now."""
+        from sglang.srt.mem_cache.common import evict_from_tree_cache
+
+        evict_from_tree_cache(self._tree, count)
+        if self._allocator.free_group is not None:
+            self._allocator.free_group_end()
+            self._allocator.free_group_begin()
 
     def free(self, slots: torch.Tensor) -> None:
         self._allocator.free(slots)
