@@ -25,3 +25,9 @@ def test_engine_generates_hf_greedy_tokens_on_the_hybrid(demo_paths, references)
 def test_engine_refuses_a_bad_keep_fraction_before_starting(demo_paths):
     with pytest.raises(KvxConfigError, match=r"\(0, 1\]"):
         Engine(model_path=demo_paths["tiny-llama"], max_total_tokens=1024, kvx_keep_fraction=0)
+
+
+def test_engine_refuses_what_its_page_size_breaks_before_starting(demo_paths):
+    with pytest.raises(KvxConfigError, match="--page-size 16"):
+        Engine(model_path=demo_paths["tiny-llama"], max_total_tokens=1024, kvx_policy="kvzip", kvx_keep_fraction=0.3,
+               page_size=16)

@@ -27,7 +27,8 @@ def Engine(
     from sglang_kvx.adapter.server_config import attach_config
 
     load_plugins()  # hooks must be in place before ServerArgs is built
-    config = build_config(kvx_policy, kvx_keep_fraction, kwargs.get("model_path"), kvx_protected_prefix_len, kvx_estimator)
+    config = build_config(kvx_policy, kvx_keep_fraction, kwargs.get("model_path"), kvx_protected_prefix_len, kvx_estimator,
+                          tp_size=int(kwargs.get("tp_size") or 1), page_size=int(kwargs.get("page_size") or 1))
     kwargs.setdefault("log_level", "error")
     server_args = ServerArgs(**kwargs)
     attach_config(server_args, config)
