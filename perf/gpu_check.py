@@ -29,8 +29,8 @@ from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention  # noqa: 
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
 from sglang_kvx.ops.block_sparse import (  # noqa: E402
     block_sparse_attention, compress_blocks, row_blocks, select_blocks)
-from sglang_kvx.ops.state_snapshot import _cupy_available  # noqa: E402
-from sglang_kvx.ops.window_attention import flashinfer_supports  # noqa: E402
+from sglang_kvx.ops.state_snapshot import _cupy_available, restore_states, snapshot_states  # noqa: E402
+from sglang_kvx.ops.window_attention import flashinfer_supports, window_attention  # noqa: E402
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float | None]:
@@ -160,6 +160,49 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
     return checks
 
 
+def check_window_attention(device: torch.device, repeats: int, batch: int, seq_len: int, heads: int, kv_heads: int,
+                           dim: int, sinks: int, window: int, dtype: torch.dtype) -> list[dict]:
+    """On-Demand Attention's Local step: each decoding row reads its first ``sinks`` and last ``window`` keys."""
+    g = torch.Generator().manual_seed(5)
+    pool = batch * seq_len + 1
+    req_to_token = (torch.randperm(pool - 1, generator=g) + 1).reshape(batch, seq_len).to(device, torch.int32)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (batch,), generator=g)
+    case = dict(q=torch.randn(batch, heads, dim, generator=g).to(device, dtype),
+                k_cache=torch.randn(pool, kv_heads, dim, generator=g).to(device, dtype),
+                v_cache=torch.randn(pool, kv_heads, dim, generator=g).to(device, dtype),
+                req_to_token=req_to_token, rows=torch.arange(batch, device=device), seq_lens=lengths.to(device),
+                sinks=torch.full((batch,), sinks, device=device), window=torch.full((batch,), window, device=device),
+                scaling=dim ** -0.5)
+    want, torch_s = timed(lambda: window_attention(**case, impl="torch"), device, repeats)
+    checks = []
+    for impl in ["triton"] + (["flashinfer"] if flashinfer_supports(case["q"], case["k_cache"], case["v_cache"]) else []):
+        got, impl_s = timed(lambda: window_attention(**case, impl=impl), device, repeats)
+        checks.append({"case": f"window_attention_{impl}_{seq_len}", "tolerance": tolerance(dtype),
+                       "max_abs_err": float((got.float() - want.float()).abs().max()), f"{impl}_s": impl_s,
+                       "torch_reference_s": torch_s})
+    return checks
+
+
+def check_state_snapshot(device: torch.device, repeats: int, slots: int, rows: int, shapes: list[tuple[int, ...]],
+                         dtype: torch.dtype) -> list[dict]:
+    """GDN recurrent / conv state snapshot and restore (slot dim 1): must round-trip bit-exactly."""
+    g = torch.Generator().manual_seed(7)
+    states = [torch.randn(layers, slots, *rest, generator=g).to(device, dtype) for layers, *rest in shapes]
+    chosen = (torch.randperm(slots - 1, generator=g)[:rows] + 1).to(device)
+    want, torch_s = timed(lambda: snapshot_states(states, chosen, slot_dim=1, impl="torch"), device, repeats)
+    checks = []
+    for impl in ["triton"] + (["cupy"] if device.type == "cuda" and _cupy_available() else []):
+        got, impl_s = timed(lambda: snapshot_states(states, chosen, slot_dim=1, impl=impl), device, repeats)
+        snap_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
+        scratch = [torch.zeros_like(s) for s in states]
+        restore_states(scratch, chosen, got, slot_dim=1, impl=impl)
+        back = [s.index_select(1, chosen) for s in scratch]
+        restore_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(back, want))
+        checks.append({"case": f"state_snapshot_{impl}", "tolerance": 0.0, "max_abs_err": max(snap_err, restore_err),
+                       "note": "snapshot and restore, bit-exact", f"{impl}_s": impl_s, "torch_reference_s": torch_s})
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -201,6 +244,13 @@ def main() -> None:
     sparse = dict(n=70, queries=3, heads=4, kv_heads=2, dim=16, budget_blocks=4, dtype=torch.float32) if args.smoke else \
         dict(n=16384, queries=64, heads=32, kv_heads=8, dim=128, budget_blocks=512, dtype=torch.bfloat16)
     result["checks"].extend(check_block_sparse(device, 0 if args.smoke else args.repeats, **sparse))
+    window = dict(batch=3, seq_len=40, heads=4, kv_heads=2, dim=16, sinks=2, window=8, dtype=torch.float32) if args.smoke else \
+        dict(batch=32, seq_len=16384, heads=32, kv_heads=8, dim=128, sinks=4, window=256, dtype=torch.bfloat16)
+    result["checks"].extend(check_window_attention(device, 0 if args.smoke else args.repeats, **window))
+    # Qwen3-Next-like per layer: conv state [slots, conv channels, kernel - 1], recurrent [slots, heads, Dk, Dv].
+    snapshot = dict(slots=9, rows=3, shapes=[(2, 12, 3), (2, 2, 8, 8)], dtype=torch.float32) if args.smoke else \
+        dict(slots=128, rows=32, shapes=[(36, 8192, 3), (36, 32, 128, 128)], dtype=torch.float32)  # ~10 GB of states
+    result["checks"].extend(check_state_snapshot(device, 0 if args.smoke else args.repeats, **snapshot))
     failed = [c["case"] for c in result["checks"] if not c["max_abs_err"] <= c["tolerance"]]
     result["failed"] = failed
     result["passed"] = not failed
