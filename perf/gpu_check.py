@@ -6,7 +6,10 @@
 Prints one JSON object: per op and case the largest absolute difference from the torch
 reference against its tolerance (float32 1e-4; bfloat16 outputs 3e-2; block choice: at most 1% of
 ids differing, float ties) and, on CUDA, the median time of the kernel and of the reference
-(ratios within one run); exits 1 when any check is over its tolerance. ``--plant`` runs the GateSight
+(ratios within one run); then every served policy's capture -> score -> allocate -> select ->
+compact path (the server's recorder and compactor over a pool of plain device tensors, signals
+fed chunk by chunk as the adapter does) against the same run on the CPU, with GateSight's
+scoring time. Exits 1 when any check is over its tolerance. ``--plant`` runs the GateSight
 MLP check with a planted wrong kernel (its output bias dropped) to show a mismatch fails the script.
 Written to be the one short script a session with a lent GPU runs first.
 """
@@ -203,6 +206,128 @@ def check_state_snapshot(device: torch.device, repeats: int, slots: int, rows: i
     return checks
 
 
+class DevicePool:
+    """A KV pool of plain tensors on one device (``ports.KVPool``), one request row: what the
+    runtime's pure parts (recorder, compactor) are driven over without SGLang."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, dim: int, device: torch.device, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.keys = [torch.randn(slots, kv_heads, dim, generator=g).to(device) for _ in range(layers)]
+        self.values = [torch.randn(slots, kv_heads, dim, generator=g).to(device) for _ in range(layers)]
+        self.slots = (torch.randperm(slots - 1, generator=g) + 1).to(device)
+        self.num_layers, self.num_kv_heads, self.head_dim, self.device = layers, kv_heads, dim, device
+        self.bytes_per_entry, self.can_fold, self.has_state, self.total = 2 * kv_heads * dim * 4, True, False, slots
+
+    def layer_id(self, layer): return layer
+    def read_keys(self, layer, slots): return self.keys[layer][slots]
+    def read(self, layer, slots): return self.keys[layer][slots], self.values[layer][slots]
+    def row(self, row, length): return self.slots[:length]
+
+    def write(self, layer, slots, keys, values):
+        self.keys[layer][slots], self.values[layer][slots] = keys, values
+
+
+class OnePrefill:
+    """A forward batch of one row prefilling ``length`` tokens from ``prefix_len`` (``ports.Batch``)."""
+
+    is_extend, is_decode = True, False
+
+    def __init__(self, prefix_len: int, length: int) -> None:
+        from sglang_kvx.ports import Segment
+
+        self.rows, self.segments = [0], [Segment(index=0, row=0, start=0, length=length, prefix_len=prefix_len)]
+
+
+def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_heads: int, dim: int,
+                     gdn_layers: int, gdn_heads: int, chunk: int, keep_fraction: float) -> tuple[dict, float]:
+    """Every served policy's keep-set for one random context, its signals recorded chunk by chunk by
+    the server's recorder and compacted by the server's compactor, all on ``device``; and the
+    seconds GateSight's scoring took there."""
+    from sglang_kvx.compact.compactor import Compactor
+    from sglang_kvx.gatesight.estimator import GateSightEstimator
+    from sglang_kvx.gatesight.features import num_features
+    from sglang_kvx.policies import get_policy, servable_policy_names
+    from sglang_kvx.policies.gatesight import GateSightPolicy
+    from sglang_kvx.policies.kvzip import accumulate_reconstruction_attention
+    from sglang_kvx.settings import CompactionSettings
+    from sglang_kvx.signals.recorder import SignalRecorder
+
+    g = torch.Generator().manual_seed(11)
+    features = num_features(gdn_heads)
+    estimator = GateSightEstimator(
+        torch.randn(layers, kv_heads, features, 64, generator=g) * 0.2, torch.randn(layers, kv_heads, 64, generator=g) * 0.1,
+        torch.randn(layers, kv_heads, 64, generator=g) * 0.2, torch.zeros(layers, kv_heads),
+        torch.zeros(layers, features), torch.ones(layers, features), manifest={"gdn_window": 6})
+    queries = [torch.randn(n, heads * dim, generator=g).to(device) for _ in range(layers)]
+    gates = [torch.randn(n, heads * dim, generator=g).to(device) for _ in range(layers)]
+    gdn = [(torch.rand(n, gdn_heads, generator=g).to(device), -torch.rand(n, gdn_heads, generator=g).to(device),
+            torch.randn(n, gdn_heads, 16, generator=g).to(device)) for _ in range(gdn_layers)]
+    recon = [torch.randn(heads, 48, dim, generator=g).to(device) for _ in range(layers)]  # one reconstruction pass
+    recon_keys = [torch.randn(48, kv_heads, dim, generator=g).to(device) for _ in range(layers)]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    pool = DevicePool(layers, 2 * n + 1, kv_heads, dim, device, seed=12)  # the context's slots, then the rank slots
+    gdn_ids = list(range(gdn_layers))
+    attention_ids = [gdn_layers + i for i in range(layers)]
+    policies = {name: GateSightPolicy(estimator=estimator, impl="torch") if name == "gatesight" else get_policy(name)()
+                for name in servable_policy_names()}
+    compactor = Compactor(pool, policies.__getitem__, heads, attention_ids, gdn_ids, per_layer_lengths=True)
+    recorder = SignalRecorder(pool, heads, lambda: inv_freq.to(device))
+    keeps, gatesight_s = {}, 0.0
+    for name, policy in policies.items():
+        spec = policy.captures()
+        recorder.start(0, n, spec)
+        for start in range(0, n, chunk):  # the prefill's chunks, as the adapter hands them over
+            length = min(chunk, n - start)
+            batch = OnePrefill(start, length)
+            for i, layer_id in enumerate(gdn_ids):
+                beta, decay, v = (t[start : start + length] for t in gdn[i])
+                recorder.gdn_signals(layer_id, 0, beta, decay, v)
+            for layer in range(layers):
+                recorder.attention(layer, queries[layer][start : start + length], batch, heads, dim, dim ** -0.5)
+                recorder.output_gate(layer, gates[layer][start : start + length], batch, heads)
+        recording = recorder.take(0)
+
+        def fill(signals, recording=recording, name=name) -> None:
+            if recording is not None:
+                recording.fill(signals, gdn_ids, attention_ids)
+            if name == "kvzip":
+                signals.reconstruction_attention = []
+                for layer in range(layers):
+                    total = torch.zeros(kv_heads, n, device=device)
+                    keys = torch.cat([pool.keys[layer][pool.slots[:n]], recon_keys[layer]])
+                    accumulate_reconstruction_attention(total, recon[layer], keys.transpose(0, 1), 0, n)
+                    signals.reconstruction_attention.append(total)
+
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        context = compactor.compact(tuple(range(n)), pool.slots[:n].clone(),
+                                    CompactionSettings(name, keep_fraction, 4, policy.allocation),
+                                    take_slots=lambda count: pool.slots[n : n + count].clone(),  # the copy runs too
+                                    fill_signals=fill, gdn_snapshot=None, timings={})
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if name == "gatesight":
+            gatesight_s = time.perf_counter() - t0
+        keeps[name] = context.keep_positions
+    return keeps, gatesight_s
+
+
+def check_policies(device: torch.device, **shape) -> list[dict]:
+    """Capture -> score -> allocate -> select of every served policy on ``device`` against the same
+    on the CPU (the reference): the share of kept entries that differ (float ties only)."""
+    want, _ = policy_keep_sets(torch.device("cpu"), **shape)
+    got, gatesight_s = policy_keep_sets(device, **shape)
+    checks = []
+    for name in want:
+        same = sum(len(set(a.tolist()) & set(b.tolist())) for la, lb in zip(got[name], want[name]) for a, b in zip(la, lb))
+        total = sum(b.numel() for b in want[name])
+        checks.append({"case": f"policy_{name}_{device.type}_{shape['n']}", "max_abs_err": round(1 - same / total, 6),
+                       "tolerance": 0.01, "note": "share of kept entries that differ from the CPU run (float ties)",
+                       **({"scoring_s": round(gatesight_s, 4)} if name == "gatesight" else {})})
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -251,6 +376,11 @@ def main() -> None:
     snapshot = dict(slots=9, rows=3, shapes=[(2, 12, 3), (2, 2, 8, 8)], dtype=torch.float32) if args.smoke else \
         dict(slots=128, rows=32, shapes=[(36, 8192, 3), (36, 32, 128, 128)], dtype=torch.float32)  # ~10 GB of states
     result["checks"].extend(check_state_snapshot(device, 0 if args.smoke else args.repeats, **snapshot))
+    # The runtime's capture and compaction paths of every policy, on the device's tensors.
+    policies = dict(n=96, layers=2, heads=4, kv_heads=2, dim=16, gdn_layers=3, gdn_heads=4, chunk=40, keep_fraction=0.25) \
+        if args.smoke else dict(n=8192, layers=4, heads=16, kv_heads=2, dim=128, gdn_layers=12, gdn_heads=32, chunk=2048,
+                                 keep_fraction=0.1)
+    result["checks"].extend(check_policies(device, **policies))
     failed = [c["case"] for c in result["checks"] if not c["max_abs_err"] <= c["tolerance"]]
     result["failed"] = failed
     result["passed"] = not failed

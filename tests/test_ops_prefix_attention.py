@@ -116,8 +116,12 @@ def test_the_gpu_check_script_runs_its_smoke_sizes_under_the_interpreter() -> No
                             text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     checks = json.loads(result.stdout)["checks"]
-    # MLP, prefix, gated x 2, block-sparse x 3, window attention, state snapshot (bit-exact)
-    assert len(checks) == 9 and all(c["max_abs_err"] <= c["tolerance"] and c["max_abs_err"] < 1e-4 for c in checks), checks
+    # MLP, prefix, gated x 2, block-sparse x 3, window attention, state snapshot (bit-exact), and the
+    # capture -> compaction path of every served policy on the device (here the CPU against itself)
+    from sglang_kvx.policies import servable_policy_names
+
+    assert len(checks) == 9 + len(servable_policy_names()), [c["case"] for c in checks]
+    assert all(c["max_abs_err"] <= c["tolerance"] and c["max_abs_err"] < 1e-4 for c in checks), checks
     # A planted wrong kernel fails the script, and only that check is named.
     planted = subprocess.run([sys.executable, "perf/gpu_check.py", "--smoke", "--plant"], env=env, capture_output=True,
                              text=True, cwd=ROOT, timeout=600)
