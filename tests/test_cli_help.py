@@ -12,11 +12,14 @@ import argparse
 import pytest
 
 from sglang_kvx import cli
-from sglang_kvx.eval import runner
-from sglang_kvx.training import finetune_ruler, train_demo, train_gatesight
+from sglang_kvx.eval import retention, runner
+from sglang_kvx.training import finetune_ruler, train_demo, train_gated, train_gatesight, train_recall_head
 
 PARSERS = {
     "python -m sglang_kvx.eval": runner.build_parser,
+    "python -m sglang_kvx.eval.retention": retention.build_parser,
+    "train_recall_head": train_recall_head.build_parser,
+    "train_gated": train_gated.build_parser,
     "train_demo": train_demo.build_parser,
     "train_gatesight": train_gatesight.build_parser,
     "finetune_ruler": finetune_ruler.build_parser,

@@ -138,17 +138,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sglang_kvx.eval.retention", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path (default: the embedded demo hybrid)")
-    parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multiquery,niah_multivalue")
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--policies", default="streamingllm,keydiff,snapkv,gatesight,gatesight@flat,gatesight@pyramidkv")
-    parser.add_argument("--fractions", default="0.5,0.2,0.1")
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multiquery,niah_multivalue",
+                        help="comma-separated needle tasks of the suite (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=2048, help="context length in tokens (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=8, help="contexts per task (default: %(default)s)")
+    parser.add_argument("--policies", default="streamingllm,keydiff,snapkv,gatesight,gatesight@flat,gatesight@pyramidkv",
+                        help="comma-separated policies; POLICY@ALLOCATION runs a policy's scores under another "
+                             "layer allocation (default: %(default)s)")
+    parser.add_argument("--fractions", default="0.5,0.2,0.1", help="comma-separated keep fractions (default: %(default)s)")
     parser.add_argument("--estimator", default=None, help="GateSight estimator folder (default: the one shipped for the model)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="suite seed of the generated contexts (default: %(default)s)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]

@@ -268,29 +268,40 @@ def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samp
 
 # ------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sglang_kvx.training.train_recall_head", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="model directory (frozen backbone)")
     p.add_argument("--out", required=True, help="where head.safetensors and manifest.json go")
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--window", type=int, default=128)
-    p.add_argument("--length", type=int, default=2048, help="prompt length in tokens")
-    p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--train-docs", type=int, default=130)
-    p.add_argument("--dev-docs", type=int, default=39)
-    p.add_argument("--question-tokens", type=int, default=16, help="prompt tokens teacher-forced before the answer")
-    p.add_argument("--lam", type=float, default=0.01, help="Full-call penalty lambda (nats)")
-    p.add_argument("--tau-hist", type=float, default=0.0)
-    p.add_argument("--width", type=int, default=None, help="head width (default hidden/2)")
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heldout-rows", type=int, default=1024, help="held-out positions saved next to the head (fp16)")
+    p.add_argument("--sinks", type=int, default=4, help="Local attention's sink tokens s (default: %(default)s)")
+    p.add_argument("--window", type=int, default=128, help="Local attention's recent window w, the current token "
+                                                             "included (default: %(default)s)")
+    p.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: %(default)s)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated suite tasks the documents come from "
+                                                             "(default: %(default)s)")
+    p.add_argument("--train-docs", type=int, default=130, help="labelled training documents (default: %(default)s)")
+    p.add_argument("--dev-docs", type=int, default=39, help="labelled held-out documents (default: %(default)s)")
+    p.add_argument("--question-tokens", type=int, default=16,
+                   help="prompt tokens teacher-forced before the answer (default: %(default)s)")
+    p.add_argument("--lam", type=float, default=0.01, help="Full-call penalty lambda in nats (default: %(default)s)")
+    p.add_argument("--tau-hist", type=float, default=0.0,
+                   help="gain below which the labels' history takes the Local hidden state, else the Full one "
+                        "(eq. 14; default: %(default)s)")
+    p.add_argument("--width", type=int, default=None, help="head width (default: hidden size / 2)")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and batches (default: %(default)s)")
+    p.add_argument("--heldout-rows", type=int, default=1024,
+                   help="held-out positions saved next to the head, fp16 (default: %(default)s)")
     p.add_argument("--eval-tasks", default="", help="suite tasks for the generation check (default: --tasks)")
-    p.add_argument("--eval-samples", type=int, default=0, help="contexts per task for the generation check (0: skip)")
-    p.add_argument("--eval-tokens", type=int, default=32)
-    args = p.parse_args(argv)
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="contexts per task for the generation check, 0 to skip (default: %(default)s)")
+    p.add_argument("--eval-tokens", type=int, default=32, help="tokens generated per check answer (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(1)
     began = time.time()
 
