@@ -138,9 +138,12 @@ def main() -> None:
             result["uncompacted_sessions_fit"] = args.pool // n
             result["sessions_ratio"] = round(sessions / max(1, args.pool // n), 2)
             result["store_slots"] = server.stats()["store_slots"]
+    server.wait_for_exit()  # its memory back before the next server sizes its pool
     if args.check_chunking:
+        # SGLang derives its default --mem-fraction-static from the chunk size; past ~16K it turns
+        # negative on a small machine, so name one (the pool is --max-total-tokens either way).
         one_chunk = ServerProcess(weights_root() / args.model, *flags, "--chunked-prefill-size", str(n + 1024),
-                                  max_total_tokens=args.pool, env=env)
+                                  "--mem-fraction-static", "0.8", max_total_tokens=args.pool, env=env)
         with one_chunk:
             for i, policy in enumerate(policies):
                 requests.post(one_chunk.url + "/generate", json={"input_ids": context_ids(n, i), "sampling_params": {

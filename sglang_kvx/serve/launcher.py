@@ -120,6 +120,24 @@ class ServerProcess:
         if getattr(self, "_log", None) is not None and not self._log.closed:
             self._log.close()
 
+    def wait_for_exit(self, timeout: float = 30.0) -> None:
+        """After ``stop()``: until the scheduler and detokenizer processes are gone too (SGLang's take
+        seconds). A large server started next would otherwise size its pool while they still hold
+        their memory; tests of small servers need not wait."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def log_tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
