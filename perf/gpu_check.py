@@ -9,7 +9,9 @@ ids differing, float ties) and, on CUDA, the median time of the kernel and of th
 (ratios within one run); then every served policy's capture -> score -> allocate -> select ->
 compact path (the server's recorder and compactor over a pool of plain device tensors, signals
 fed chunk by chunk as the adapter does) against the same run on the CPU, with GateSight's
-scoring time. Exits 1 when any check is over its tolerance. ``--plant`` runs the GateSight
+scoring time; then GateSight's scoring against a lower bound on a prefill at Qwen3-Next's layer shape
+at 32K, 64K and 128K tokens (``gatesight_cost``; the seed reports 1.0-1.4%). Exits 1 when any
+check is over its tolerance. ``--plant`` runs the GateSight
 MLP check with a planted wrong kernel (its output bias dropped) to show a mismatch fails the script.
 Written to be the one short script a session with a lent GPU runs first.
 """
@@ -328,6 +330,92 @@ def check_policies(device: torch.device, **shape) -> list[dict]:
     return checks
 
 
+QWEN3_NEXT = dict(hidden=2048, heads=16, kv_heads=2, head_dim=256, key_heads=16, value_heads=32, gdn_dim=128,
+                  mlp=5632, gdn_layers=36, attention_layers=12)  # Qwen3-Next-80B-A3B; mlp: 10 routed + 1 shared expert of 512
+
+
+def gatesight_cost(device: torch.device, n: int, shape: dict, keep_fraction: float = 0.1, repeats: int = 3) -> dict:
+    """GateSight's scoring (features, the estimators' MLP op, top-K per head) for one n-token context of
+    a model of ``shape``, against a lower bound on that context's prefill: every layer's projections,
+    attention (SDPA, causal) and MLP at the real shape, timed one layer of each kind and counted
+    over the stack (computed), with the GDN recurrence and the MoE routing left out, so the real
+    prefill is longer and the true fraction smaller. Random weights, bf16 on CUDA (float32 on CPU)."""
+    from sglang_kvx.gatesight.estimator import GateSightEstimator
+    from sglang_kvx.gatesight.features import num_features
+    from sglang_kvx.policies.gatesight import GateSightPolicy
+    from sglang_kvx.select.keep_set import select_keep_set
+    from sglang_kvx.signals import ContextSignals, GDNLayerSignals
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(21)
+
+    def weight(rows: int, cols: int) -> torch.Tensor:
+        return (torch.randn(rows, cols, generator=g) * cols ** -0.5).to(device, dtype)
+
+    h, hd, vd = shape["hidden"], shape["head_dim"], shape["value_heads"] * shape["gdn_dim"]
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    mlp = (weight(2 * shape["mlp"], h), weight(h, shape["mlp"]))
+    gdn_w = (weight(2 * shape["key_heads"] * shape["gdn_dim"] + 2 * vd, h), weight(2 * shape["value_heads"], h), weight(h, vd))
+    attn_w = (weight(2 * shape["heads"] * hd + 2 * shape["kv_heads"] * hd, h), weight(h, shape["heads"] * hd))
+
+    def mlp_part(y):
+        gate, up = (y @ mlp[0].T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ mlp[1].T
+
+    def gdn_layer():
+        y = x @ gdn_w[0].T
+        x @ gdn_w[1].T
+        return mlp_part(y[:, -vd:] @ gdn_w[2].T)
+
+    def attention_layer():
+        y = x @ attn_w[0].T
+        q = y[:, : shape["heads"] * hd].reshape(n, shape["heads"], hd).transpose(0, 1)
+        kv = y[:, 2 * shape["heads"] * hd :].reshape(n, 2, shape["kv_heads"], hd)
+        k, v = (t.transpose(0, 1).repeat_interleave(shape["heads"] // shape["kv_heads"], dim=0) for t in kv.unbind(1))
+        o = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)
+        return mlp_part(o[0].transpose(0, 1).reshape(n, -1) @ attn_w[1].T)
+
+    _, gdn_s = timed(gdn_layer, device, repeats)
+    _, attention_s = timed(attention_layer, device, repeats)
+    if gdn_s is None:  # CPU: one timed run each
+        gdn_s, attention_s = (min(_wall(fn) for _ in range(max(1, repeats))) for fn in (gdn_layer, attention_layer))
+    prefill_s = gdn_s * shape["gdn_layers"] + attention_s * shape["attention_layers"]
+
+    layers, features = shape["attention_layers"], num_features(shape["value_heads"])
+    estimator = GateSightEstimator(
+        torch.randn(layers, shape["kv_heads"], features, 64, generator=g) * 0.1, torch.zeros(layers, shape["kv_heads"], 64),
+        torch.randn(layers, shape["kv_heads"], 64, generator=g) * 0.1, torch.zeros(layers, shape["kv_heads"]),
+        torch.zeros(layers, features), torch.ones(layers, features), manifest={"gdn_window": 6})
+    per = shape["gdn_layers"] // layers  # GDN layers before each attention layer (3:1 in Qwen3-Next)
+    signals = ContextSignals(
+        n=n, num_q_heads=shape["heads"], num_kv_heads=shape["kv_heads"], head_dim=hd,
+        keys=[torch.empty(0)] * layers, values=[torch.empty(0)] * layers,  # GateSight reads no keys
+        gdn=[GDNLayerSignals(torch.rand(n, shape["value_heads"], generator=g).to(device),
+                             -torch.rand(n, shape["value_heads"], generator=g).to(device),
+                             torch.rand(n, shape["value_heads"], generator=g).to(device) + 0.1)
+             for _ in range(shape["gdn_layers"])],
+        gdn_layer_of_attention=[per * (i + 1) for i in range(layers)], device=device)
+    policy = GateSightPolicy(estimator=estimator)
+    budget = int(keep_fraction * n)
+
+    def score_and_select():
+        return select_keep_set(policy.score_layers(signals), [budget] * layers, 0)
+
+    _, scoring_s = timed(score_and_select, device, repeats)
+    if scoring_s is None:
+        scoring_s = min(_wall(score_and_select) for _ in range(max(1, repeats)))
+    return {"case": f"gatesight_cost_{n}", "context_tokens": n, "scoring_s": round(scoring_s, 5),
+            "prefill_lower_bound_s_computed": round(prefill_s, 5), "gdn_layer_s": round(gdn_s, 5),
+            "attention_layer_s": round(attention_s, 5),
+            "scoring_frac_of_prefill_upper_bound": round(scoring_s / prefill_s, 5)}
+
+
+def _wall(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -381,6 +469,11 @@ def main() -> None:
         if args.smoke else dict(n=8192, layers=4, heads=16, kv_heads=2, dim=128, gdn_layers=12, gdn_heads=32, chunk=2048,
                                  keep_fraction=0.1)
     result["checks"].extend(check_policies(device, **policies))
+    # GateSight's scoring against a prefill lower bound at a Qwen3-Next layer shape (the seed: 1.0-1.4%).
+    tiny = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, key_heads=2, value_heads=4, gdn_dim=8, mlp=128,
+                gdn_layers=6, attention_layers=2)
+    result["gatesight_cost"] = [gatesight_cost(device, n, tiny if args.smoke else QWEN3_NEXT, repeats=1 if args.smoke else 3)
+                                for n in ((256,) if args.smoke else (32768, 65536, 131072))]
     failed = [c["case"] for c in result["checks"] if not c["max_abs_err"] <= c["tolerance"]]
     result["failed"] = failed
     result["passed"] = not failed

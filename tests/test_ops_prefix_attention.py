@@ -115,7 +115,10 @@ def test_the_gpu_check_script_runs_its_smoke_sizes_under_the_interpreter() -> No
     result = subprocess.run([sys.executable, "perf/gpu_check.py", "--smoke"], env=env, capture_output=True,
                             text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    checks = json.loads(result.stdout)["checks"]
+    report = json.loads(result.stdout)
+    checks = report["checks"]
+    (cost,) = report["gatesight_cost"]  # scoring against a prefill lower bound, here at a tiny shape
+    assert cost["scoring_s"] > 0 and cost["prefill_lower_bound_s_computed"] > 0
     # MLP, prefix, gated x 2, block-sparse x 3, window attention, state snapshot (bit-exact), and the
     # capture -> compaction path of every served policy on the device (here the CPU against itself)
     from sglang_kvx.policies import servable_policy_names
