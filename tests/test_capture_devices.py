@@ -53,7 +53,7 @@ def test_recorder_keeps_captures_on_the_forward_device():
     recorder.start(3, n=10, spec=CaptureSpec(window=4, column_sums=True, output_gate=True))
     batch = _Batch([Segment(index=0, row=3, start=0, length=6, prefix_len=4)])
     recorder.attention(0, torch.empty(6, 4 * 8, device=META), batch, num_q_heads=4, head_dim=8, scaling=0.35)
-    recorder.output_gate(0, torch.empty(6, 4 * 8, device=META), batch)
+    recorder.output_gate(0, torch.empty(6, 4 * 8, device=META), batch, 4)
     recording = recorder.take(3)
     assert recording.window_queries[0].device == META
     assert recording.column_sums[0].device == META
