@@ -105,7 +105,8 @@ def build_runtime(scheduler, config):
         attention_layer_ids=attention_ids, gdn_layer_ids=gdn_ids, rope_inv_freq=rope_inv_freq(hf, pool.head_dim),
         submit=submit, tokenizer=getattr(scheduler, "tokenizer", None), context_len=scheduler.model_config.context_len,
         gates=getattr(runner.attn_backend, "gates", None),  # the kvx_gated backend's (learned-gate family only)
-        tp=SGLangTensorParallel() if int(scheduler.tp_size) > 1 else None, num_kv_heads_total=hf.num_key_value_heads,
+        tp=SGLangTensorParallel() if int(scheduler.tp_size) > 1 else None,
+        num_kv_heads_total=getattr(hf, "num_key_value_heads", None),  # absent (MHA configs): the pool's count
     )
 
 
