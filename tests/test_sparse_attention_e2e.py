@@ -72,7 +72,8 @@ def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_orac
     rng = random.Random(11)
     context = [rng.randrange(10, 500) for _ in range(160)]
     question = [rng.randrange(10, 500) for _ in range(6)]
-    kvx = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5}}}
+    allocation = {"allocation": "gate"} if policy == "gatesight" else {}  # GateSight's default budgets are flat
+    kvx = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5, **allocation}}}
     body = {"input_ids": context, "sampling_params": {"max_new_tokens": 0, **kvx}}
     assert server.generate(body).status_code == 200
     entry = [c for c in server.stats()["compacted_contexts"] if c["policy"] == policy][-1]
