@@ -8,6 +8,11 @@ named in its ``needs``; the producer fills only what some policy asked for.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_kvx.ports import TensorParallel
+
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -159,7 +164,7 @@ def rank_kv_heads(total: int, rank: int, size: int) -> tuple[int, int]:
     return head, head + 1
 
 
-def gather_heads(signals: ContextSignals, tp, total_kv_heads: int) -> None:
+def gather_heads(signals: ContextSignals, tp: "TensorParallel", total_kv_heads: int) -> None:
     """Under tensor parallelism: make the per-head signals every rank recorded for its own heads
     (output gates per query head, GDN beta / g / ||v|| per value head) whole on every rank, so
     budgets and features are computed from the whole model, identically on all ranks; and note
