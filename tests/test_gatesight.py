@@ -253,3 +253,73 @@ def test_a_long_context_is_scored_a_few_layers_at_a_time(monkeypatch):
     for layer in range(2):
         assert torch.equal(together[layer], full[layer])
         assert torch.allclose(apart[layer], full[layer], atol=1e-6)
+
+
+class _Pool:
+    num_layers = 2
+
+
+class _Batch:
+    is_extend, is_decode = True, False
+
+    def __init__(self, segments):
+        self.segments = segments
+
+
+def _record_in_chunks(recorder, signals, chunks, skip_gdn_layer=None):
+    """Drive the recorder as a hybrid's prefill would: model layers 0, 2, 3 are GDN, 1 and 4 attention
+    (one GDN layer before attention layer 0, three before attention layer 1, as in ``_signals``)."""
+    from sglang_kvx.ports import Segment
+
+    for start, length in chunks:
+        batch = _Batch([Segment(index=0, row=5, start=0, length=length, prefix_len=start)])
+        part = slice(start, start + length)
+        for model_layer in range(5):
+            if model_layer in (1, 4):
+                recorder.attention((1, 4).index(model_layer), torch.empty(length, 32), batch, 4, 8, 0.3)
+            elif model_layer != skip_gdn_layer:
+                gdn = signals.gdn[(0, 2, 3).index(model_layer)]
+                # ||v|| of a one-dimensional v is its magnitude: the recorder sees the layer's real norm.
+                recorder.gdn_signals(model_layer, 5, gdn.beta[part], gdn.g[part], gdn.v_norm[part, :, None])
+    return recorder.take(5)
+
+
+def test_the_server_scores_a_prefill_chunk_by_chunk_as_the_whole_context_would_be():
+    """GateSight on one rank is scored inside the prefill, chunk by chunk (every feature is the
+    token's own): the scores equal scoring the whole recorded context, and the recording never
+    holds more than its scores and one chunk's signals of the GDN layers still to be read."""
+    from sglang_kvx.policies.gatesight import GateSightPolicy
+    from sglang_kvx.signals import CaptureSpec
+    from sglang_kvx.signals.recorder import SignalRecorder
+
+    w1, b1, w2, b2 = _random_mlp(features=num_features(4))
+    estimator = GateSightEstimator(w1, b1, w2, b2, feature_mean=torch.rand(2, num_features(4)),
+                                   feature_std=torch.rand(2, num_features(4)) + 0.5, manifest={"gdn_window": 6})
+    policy = GateSightPolicy(estimator=estimator, impl="torch")
+    whole = _signals(n=300)
+    expected = policy.score_layers(whole, [5, 5])
+
+    recorder = SignalRecorder(_Pool(), 4, lambda: None, gdn_layer_ids=[0, 2, 3], attention_layer_ids=[1, 4])
+    recorder.start(5, 300, CaptureSpec(gdn=True), policy.chunk_scoring())
+    recording = _record_in_chunks(recorder, whole, [(0, 64), (64, 64), (128, 100), (228, 72)])
+    assert recording.failed is None and not recording.gdn  # every GDN chunk dropped once read
+    streamed = ContextSignals(n=300, num_q_heads=4, num_kv_heads=2, head_dim=8, keys=whole.keys, values=whole.values)
+    recording.fill(streamed, [0, 2, 3], [1, 4])
+    assert not streamed.gdn and streamed.gdn_layer_of_attention == [1, 3]
+    for layer in range(2):
+        assert torch.allclose(policy.score_layers(streamed, [5, 5])[layer], expected[layer], atol=1e-5)
+        assert torch.allclose(policy.score(streamed, layer), expected[layer], atol=1e-5)
+    whole_gdn_bytes = sum(t.numel() * 4 for g in whole.gdn for t in (g.beta, g.g, g.v_norm))
+    one_chunk = 3 * 100 * 4 * 3 * 4  # the largest chunk's beta, g, ||v|| of every GDN layer
+    scores = 2 * 2 * 300 * 4
+    assert recording.peak_nbytes() <= scores + one_chunk < whole_gdn_bytes
+
+    # Under tensor parallelism (no chunk scoring) the signals are held whole, as before.
+    recorder.start(5, 300, CaptureSpec(gdn=True))
+    held = _record_in_chunks(recorder, whole, [(0, 150), (150, 150)])
+    assert held.peak_nbytes() == whole_gdn_bytes
+
+    # A GDN layer whose chunk never arrived fails this recording (with the reason), not the forward.
+    recorder.start(5, 300, CaptureSpec(gdn=True), policy.chunk_scoring())
+    broken = _record_in_chunks(recorder, whole, [(0, 300)], skip_gdn_layer=3)
+    assert broken.failed is not None and "GDN layer 3" in broken.failed

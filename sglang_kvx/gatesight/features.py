@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import ContextSignals, GDNLayerSignals
 
 GDN_WINDOW = 6  # preceding GDN layers an estimator reads (the paper's six-layer window)
 SIGNALS_PER_HEAD = 3  # beta, g, log||v||
@@ -26,18 +26,20 @@ def num_features(gdn_heads: int, window: int = GDN_WINDOW) -> int:
     return window * gdn_heads * SIGNALS_PER_HEAD + AGE_FEATURES
 
 
-def age_features(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[n, 3]: linear and log age from the end, log distance from the start, all in [0, 1]."""
-    position = torch.arange(n, device=device, dtype=torch.float32)
+def age_features(n: int, device: torch.device | str = "cpu", start: int = 0, length: int | None = None) -> torch.Tensor:
+    """[length, 3] (default [n, 3]) for context positions [start, start + length) of an n-token context:
+    linear and log age from the end, log distance from the start, all in [0, 1]."""
+    length = n - start if length is None else length
+    position = torch.arange(start, start + length, device=device, dtype=torch.float32)
     age = (n - 1) - position
     log_n = math.log1p(n)
     return torch.stack([age / n, torch.log1p(age) / log_n, torch.log1p(position) / log_n], dim=1)
 
 
 def _gdn_block(gdn, n: int, heads: int) -> torch.Tensor:
-    """[n, Hv * 3]: one GDN layer's (beta, g, log||v||) per value head."""
+    """[n, Hv * 3]: one GDN layer's (beta, g, log||v||) per value head (n: the tokens it covers)."""
     if gdn.beta.shape != (n, heads):
-        raise ValueError(f"GDN signals of shape {tuple(gdn.beta.shape)} for a {n}-token context with {heads} heads")
+        raise ValueError(f"GDN signals of shape {tuple(gdn.beta.shape)} for {n} tokens with {heads} heads")
     per_head = torch.stack([gdn.beta.float(), gdn.g.float(), gdn.v_norm.float().clamp_min(_V_NORM_FLOOR).log()], dim=2)
     return per_head.reshape(n, heads * SIGNALS_PER_HEAD)
 
@@ -63,11 +65,20 @@ def _fill_layer(out: torch.Tensor, blocks: list[torch.Tensor], before: int, wind
 def layer_features(signals: ContextSignals, layer: int, window: int = GDN_WINDOW) -> torch.Tensor:
     """[n, F]: the full estimator input of attention layer ``layer``."""
     _check_gdn(signals)
-    heads, n = signals.gdn[0].beta.shape[1], signals.n
     before = signals.gdn_layer_of_attention[layer]
-    blocks = [_gdn_block(g, n, heads) for g in signals.gdn[max(0, before - window) : before]]
-    out = torch.empty(n, num_features(heads, window), device=signals.gdn[0].beta.device)
-    _fill_layer(out, blocks, len(blocks), window, age_features(n, out.device))
+    return chunk_features(signals.gdn[max(0, before - window) : before], window, range(signals.n), signals.n,
+                          signals.gdn[0].beta.shape[1])
+
+
+def chunk_features(gdn: list[GDNLayerSignals], window: int, positions: range, n: int, heads: int) -> torch.Tensor:
+    """[t, F]: an attention layer's estimator input for the context positions ``positions`` (t of
+    them, consecutive) of an n-token context, from those positions' signals of the (up to ``window``)
+    GDN layers before it, oldest first. Every feature is the token's own, so a prefill chunk can be
+    scored as it runs."""
+    blocks = [_gdn_block(g, len(positions), heads) for g in gdn[-window:]] if window else []
+    device = gdn[0].beta.device if gdn else "cpu"
+    out = torch.empty(len(positions), num_features(heads, window), device=device)
+    _fill_layer(out, blocks, len(blocks), window, age_features(n, device, positions.start, len(positions)))
     return out
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from sglang_kvx.signals import CaptureSpec, ContextSignals
+from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,12 @@ class KVPolicy:
         """What the server records for this policy inside a parent's prefill (keys and values are read
         from the pool afterwards). Attention-reading policies override it with their window."""
         return CaptureSpec.for_signals(self.needs)
+
+    def chunk_scoring(self) -> ChunkScoring | None:
+        """For a policy whose score of an entry reads only that token's own signals: how the server
+        scores each prefill chunk as it runs, holding scores instead of the context's signals
+        (``signals.ChunkScoring``). None, the default: scored once, after the prefill."""
+        return None
 
     @property
     def allocation_options(self) -> dict[str, Any]:

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from sglang_kvx.gatesight.estimator import GateSightEstimator, find_estimator
-from sglang_kvx.gatesight.features import all_layer_features, layer_features, layer_groups
+from sglang_kvx.gatesight.features import (AGE_FEATURES, SIGNALS_PER_HEAD, all_layer_features, chunk_features,
+                                           layer_features, layer_groups)
 from sglang_kvx.policies.base import KVPolicy, check_layer, register_policy
-from sglang_kvx.signals import ContextSignals
+from sglang_kvx.signals import ChunkScoring, ContextSignals, GDNLayerSignals
 
 
-FEATURE_BYTES = 256 << 20  # float32 estimator inputs held at once while scoring (a 64K context of a
-                           # Qwen3-Next-sized model is ~150 MiB per attention layer)
+FEATURE_BYTES = 256 << 20  # float32 estimator inputs held at once when a whole context is scored
+                           # (a 64K context of a Qwen3-Next-sized model is ~150 MiB per attention layer)
 
 
 @register_policy("gatesight")
@@ -36,6 +37,8 @@ class GateSightPolicy(KVPolicy):
     allocation = "flat"  # the seed's "gate" budgets are the ablation (see the module docstring)
     # Under --tp-size > 1 the runtime gathers every rank's GDN signals and output gates first
     # (signals.gather_heads): each rank scores the whole model's features and keeps its own KV heads.
+    # On one rank the server scores each prefill chunk as it runs (``chunk_scoring``): every feature
+    # is the token's own, so the context's GDN signals are never held whole.
 
     def __init__(
         self,
@@ -70,10 +73,23 @@ class GateSightPolicy(KVPolicy):
             )
         return slice(start, end)
 
+    def chunk_scoring(self) -> ChunkScoring:
+        return ChunkScoring(self.window, self.score_chunk)
+
+    def score_chunk(self, layer: int, gdn: list[GDNLayerSignals], positions: range, n: int) -> torch.Tensor:
+        """[kv_heads, t]: attention layer ``layer``'s utilities of the context positions ``positions``,
+        from their signals of the GDN layers before it (all heads of the model, oldest layer first)."""
+        heads = (self.estimator.num_features - AGE_FEATURES) // (SIGNALS_PER_HEAD * self.window)  # GDN value heads
+        features = chunk_features(gdn, self.window, positions, n, heads)
+        return self.estimator.score(features[None], impl=self.impl, layers=slice(layer, layer + 1))[0]
+
     def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:
         """Several layers per batched MLP op, as many as keep their features under FEATURE_BYTES
-        (all of a short context's at once; one layer at a time for a long one on a large model)."""
+        (all of a short context's at once; one layer at a time for a long one on a large model);
+        or the scores the server computed chunk by chunk inside the prefill."""
         heads = self._own_heads(signals)
+        if signals.streamed_scores is not None:
+            return [scores[heads] for scores in signals.streamed_scores]
         scores: list[torch.Tensor] = []
         for layers in layer_groups(signals, FEATURE_BYTES, self.window):
             features = all_layer_features(signals, self.window, layers)
@@ -84,5 +100,7 @@ class GateSightPolicy(KVPolicy):
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         check_layer(signals, layer)
         heads = self._own_heads(signals)
+        if signals.streamed_scores is not None:
+            return signals.streamed_scores[layer][heads]
         features = layer_features(signals, layer, self.window)[None]
         return self.estimator.score(features, impl=self.impl, layers=slice(layer, layer + 1))[0, heads]

@@ -60,7 +60,7 @@ class Runtime:
         self._policies: dict[str, KVPolicy] = {}
         self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem,
                                    held_slots=self.held_slots)
-        self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq)
+        self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq, gdn_layer_ids, attention_layer_ids)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths, defaults.page_size)
         # On-Demand Attention's recall head, when one is trained for this model (else oda is refused).
@@ -190,7 +190,11 @@ class Runtime:
             if context is not None and state.internal:
                 self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
             elif context is None and state.parent and state.settings is not None:
-                self.recorder.start(request.row, len(request.input_ids), self.capture_spec(state.settings))
+                # Scored chunk by chunk inside the prefill where the policy can be (one rank: under tensor
+                # parallelism a rank holds only its own GDN heads until the signals are gathered).
+                policy = self.policy(state.settings.policy)
+                self.recorder.start(request.row, len(request.input_ids), self.capture_spec(state.settings),
+                                    policy.chunk_scoring() if self.tp is None else None)
 
     def capture_spec(self, settings: CompactionSettings) -> CaptureSpec:
         return self.policy(settings.policy).captures() | CaptureSpec.for_signals(allocation_needs(settings.allocation))
@@ -273,7 +277,7 @@ class Runtime:
                 fill_signals=lambda signals: self._fill_signals(signals, recording, settings),
                 gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
                 timings={"capture_s": recording.seconds if recording is not None else 0.0,  # inside the prefill
-                         "recorded_signal_bytes": recording.nbytes() if recording is not None else 0},
+                         "recorded_signal_bytes": recording.peak_nbytes() if recording is not None else 0},
             )
         except NothingFreed as why:
             self.skipped_keeps_all += 1

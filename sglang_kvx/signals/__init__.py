@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from sglang_kvx.ports import TensorParallel
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,17 @@ class GDNLayerSignals:
         return self.beta * self.v_norm
 
 
+@dataclass(frozen=True)
+class ChunkScoring:
+    """How a policy whose score of an entry reads only that token's own GDN signals (GateSight)
+    scores a prefill chunk while it runs: the recorder then holds each attention layer's scores,
+    and of the GDN signals only the current chunk's, of the layers still to be read."""
+
+    gdn_window: int  # how many GDN layers before an attention layer its scores read
+    # (attention layer, the chunk's signals of those GDN layers oldest first, positions, n) -> [kv_heads, t]
+    score: Callable[[int, list[GDNLayerSignals], range, int], torch.Tensor]
+
+
 @dataclass
 class QueryStatistics:
     """TriAttention's query centre and magnitudes for one attention layer, from the context's own queries.
@@ -112,6 +124,8 @@ class ContextSignals:
         sglang_kvx.policies.kvzip.accumulate_reconstruction_attention.
     gdn: per GDN layer, in model order; gdn_layer_of_attention[l] = how many GDN layers precede
         attention layer l (its signals are gdn[:gdn_layer_of_attention[l]]).
+    streamed_scores: per attention layer [kv_heads, n], scores a ChunkScoring policy computed
+        chunk by chunk inside the prefill (then ``gdn`` stays empty: it was never held whole).
     protected_prefix_len: the first tokens every policy keeps, outside the budget.
     """
 
@@ -128,6 +142,7 @@ class ContextSignals:
     reconstruction_attention: list[torch.Tensor] | None = None
     gdn: list[GDNLayerSignals] = field(default_factory=list)
     gdn_layer_of_attention: list[int] = field(default_factory=list)
+    streamed_scores: list[torch.Tensor] | None = None
     protected_prefix_len: int = 0
     # Under tensor parallelism: the model's KV heads [start, end) this rank holds (None: all of them).
     kv_heads: tuple[int, int] | None = None

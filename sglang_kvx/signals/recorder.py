@@ -5,6 +5,12 @@ context (SnapKV), per-key column sums of attention (H2O), query statistics (TriA
 g / ||v|| per GDN layer and output gates per attention layer (GateSight), every query of a KVzip
 reconstruction pass. The ``SignalRecorder`` is called by the adapter from inside SGLang's forward
 with plain tensors and a ``Batch`` view; the policy maths lives in the policy files.
+
+A policy that scores chunk by chunk (``ChunkScoring``: GateSight on one rank) is scored inside
+the forward instead: at each attention layer, from the current chunk's signals of the GDN layers
+before it; a GDN layer's chunk is dropped once no later attention layer reads it. What a long
+context holds is then its scores plus one chunk's signals of a few layers, not every layer's
+signals of every token.
 """
 
 from __future__ import annotations
@@ -20,17 +26,42 @@ from sglang_kvx.ops.gdn import causal_conv1d, gdn_gates
 from sglang_kvx.policies.h2o import add_column_sums
 from sglang_kvx.policies.triattention import combine_query_statistics, query_statistics
 from sglang_kvx.ports import Batch, KVPool, Segment
-from sglang_kvx.signals import CaptureSpec, ContextSignals, GDNLayerSignals
+from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals, GDNLayerSignals
 
 logger = logging.getLogger(__name__)
+
+
+class GDNLayout:
+    """Which GDN layers an attention layer's chunk scores read, and when a GDN layer's chunk can go."""
+
+    def __init__(self, gdn_layer_ids: list[int], attention_layer_ids: list[int], window: int) -> None:
+        self.gdn_layer_ids = list(gdn_layer_ids)
+        self.before = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]  # GDN layers before each
+        self.window = window
+        self.read = {gdn_layer_ids[i] for b in self.before for i in range(max(0, b - window), b)}
+
+    def reads(self, layer: int) -> list[int]:
+        """The GDN layer ids attention layer ``layer`` reads, oldest first."""
+        b = self.before[layer]
+        return self.gdn_layer_ids[max(0, b - self.window) : b]
+
+    def done_after(self, layer: int) -> list[int]:
+        """The GDN layer ids no attention layer after ``layer`` reads."""
+        if layer + 1 == len(self.before):
+            return self.gdn_layer_ids
+        return self.gdn_layer_ids[: max(0, self.before[layer + 1] - self.window)]
 
 
 class Recording:
     """What one parent's prefill (or one KVzip pass) recorded so far."""
 
-    def __init__(self, n: int, num_layers: int, spec: CaptureSpec) -> None:
+    def __init__(self, n: int, num_layers: int, spec: CaptureSpec,
+                 chunk_scoring: tuple[ChunkScoring, GDNLayout] | None = None) -> None:
         self.n = n
         self.spec = spec
+        self.chunk_scoring = chunk_scoring  # scored inside the prefill, chunk by chunk (GateSight)
+        self.scores: dict[int, list[torch.Tensor]] = {}  # attention layer -> chunks [kv_heads, t]
+        self.peak_bytes = 0  # the most this recording held at once (checked where chunk scoring peaks)
         self.window_queries: list[torch.Tensor | None] = [None] * num_layers  # [w, Hq, D]
         self.column_sums: list[torch.Tensor | None] = [None] * num_layers  # [Hq, n]
         self.gates: dict[int, list[torch.Tensor]] = {}  # attention layer -> chunks [t, Hq]
@@ -68,11 +99,37 @@ class Recording:
             return 0
 
         return sum(size(getattr(self, name)) for name in
-                   ("window_queries", "column_sums", "gates", "gdn", "query_stats", "conv_tail", "pass_queries"))
+                   ("window_queries", "column_sums", "gates", "gdn", "query_stats", "conv_tail", "pass_queries", "scores"))
+
+    def peak_nbytes(self) -> int:
+        """The most this recording held at once: its size now, or more in the middle of a chunk."""
+        return max(self.peak_bytes, self.nbytes())
 
     @staticmethod
     def add(per_key: dict, key: int, value) -> None:
         per_key.setdefault(key, []).append(value)
+
+    def add_gdn(self, layer_id: int, chunk: tuple[torch.Tensor, ...]) -> None:
+        if self.chunk_scoring is None:
+            self.add(self.gdn, layer_id, chunk)
+        elif layer_id in self.chunk_scoring[1].read:
+            self.gdn[layer_id] = [chunk]  # only the current chunk: earlier ones are scored already
+
+    def score_chunk(self, layer: int, positions: range) -> None:
+        """Attention layer ``layer`` ran on ``positions``: score them from the GDN layers before it, then
+        drop the GDN chunks no later attention layer reads."""
+        scoring, layout = self.chunk_scoring
+        gdn = []
+        for layer_id in layout.reads(layer):
+            chunk = self.gdn.get(layer_id)
+            if not chunk or chunk[-1][0].shape[0] != len(positions):
+                raise RuntimeError(f"sglang_kvx: GDN layer {layer_id}'s signals for positions {positions.start}-"
+                                   f"{positions.stop - 1} were not recorded before attention layer {layer}")
+            gdn.append(GDNLayerSignals(*chunk[-1]))
+        self.add(self.scores, layer, scoring.score(layer, gdn, positions, self.n))
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+        for layer_id in layout.done_after(layer):
+            self.gdn.pop(layer_id, None)
 
     def add_window(self, layer: int, queries: torch.Tensor) -> None:
         # Chunked prefill: a later chunk's queries push the earlier ones out of the window.
@@ -93,7 +150,12 @@ class Recording:
             if len(self.gates) != num_layers:
                 raise RuntimeError("sglang_kvx: this model's attention layers reported no output gate")
             signals.output_gate = [torch.cat(self.gates[i]) for i in range(num_layers)]
-        if self.spec.gdn:
+        if self.spec.gdn and self.chunk_scoring is not None:
+            signals.streamed_scores = [torch.cat(self.scores.get(i, []) or [torch.empty(0)], dim=-1) for i in range(num_layers)]
+            if any(s.shape[-1] != self.n for s in signals.streamed_scores):
+                raise RuntimeError("sglang_kvx: the prefill's chunk scores do not cover the whole context")
+            signals.gdn_layer_of_attention = list(self.chunk_scoring[1].before)
+        elif self.spec.gdn:
             signals.gdn = [
                 GDNLayerSignals(*(torch.cat([chunk[k] for chunk in self.gdn[layer_id]]) for k in range(3)))
                 for layer_id in gdn_layer_ids
@@ -106,18 +168,26 @@ class Recording:
 class SignalRecorder:
     """The recordings of one scheduler, by request row."""
 
-    def __init__(self, pool: KVPool, num_q_heads: int, rope_inv_freq) -> None:
+    def __init__(self, pool: KVPool, num_q_heads: int, rope_inv_freq, gdn_layer_ids: list[int] = (),
+                 attention_layer_ids: list[int] = ()) -> None:
         self.pool = pool
         self.num_q_heads = num_q_heads
         self._rope_inv_freq = rope_inv_freq  # () -> the model's RoPE frequencies (TriAttention only)
+        self.gdn_layer_ids = list(gdn_layer_ids)
+        self.attention_layer_ids = list(attention_layer_ids)
         self.recordings: dict[int, Recording] = {}
 
     def __bool__(self) -> bool:
         return bool(self.recordings)
 
-    def start(self, row: int, n: int, spec: CaptureSpec) -> None:
+    def start(self, row: int, n: int, spec: CaptureSpec, chunk_scoring: ChunkScoring | None = None) -> None:
+        """Record what ``spec`` names for the n-token context in ``row``; with ``chunk_scoring`` (a GDN
+        policy that scores per token) its scores are computed chunk by chunk inside the prefill."""
         if not spec.empty and row not in self.recordings:
-            self.recordings[row] = Recording(n, self.pool.num_layers, spec)
+            layout = None
+            if chunk_scoring is not None and spec.gdn:
+                layout = (chunk_scoring, GDNLayout(self.gdn_layer_ids, self.attention_layer_ids, chunk_scoring.gdn_window))
+            self.recordings[row] = Recording(n, self.pool.num_layers, spec, layout)
 
     def take(self, row: int) -> Recording | None:
         return self.recordings.pop(row, None)
@@ -132,8 +202,12 @@ class SignalRecorder:
                 if seg.row in self.recordings and self.recordings[seg.row].failed is None]
 
     def attention(self, layer: int, q: torch.Tensor, batch: Batch, num_q_heads: int, head_dim: int, scaling: float) -> None:
-        """After attention layer ``layer`` ran (its KV is in the pool): what query-reading policies need."""
+        """After attention layer ``layer`` ran (its KV is in the pool): what query-reading policies need,
+        and the chunk's scores of a policy that scores chunk by chunk."""
         for seg, rec in self._recorded(batch):
+            if rec.chunk_scoring is not None:
+                with rec.timed():
+                    rec.score_chunk(layer, range(seg.prefix_len, seg.prefix_len + seg.length))
             if not rec.spec.reads_queries:
                 continue
             with rec.timed():
@@ -175,7 +249,7 @@ class SignalRecorder:
                     mixed_qkv[start : start + length, v_channels].float(), weight, bias, tail, layer.activation
                 )
                 v_norm = v.reshape(length, layer.num_v_heads, layer.head_v_dim).norm(dim=-1)
-                rec.add(rec.gdn, layer.layer_id, (beta.float(), g.float(), v_norm.float()))
+                rec.add_gdn(layer.layer_id, (beta.float(), g.float(), v_norm.float()))
 
     def gdn_signals(self, layer_id: int, row: int, beta: torch.Tensor, g: torch.Tensor, v: torch.Tensor) -> None:
         """What our CPU GDN backend computed anyway for one row of an extend (no recomputation)."""
@@ -185,7 +259,7 @@ class SignalRecorder:
         with rec.timed():
             v = v.float()
             # sqrt(sum v^2): ~1.5x faster than Tensor.norm on CPU, equal to float32 rounding.
-            rec.add(rec.gdn, layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
+            rec.add_gdn(layer_id, (beta.float(), g.float(), (v * v).sum(dim=-1).sqrt_()))
 
     def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch, num_q_heads: int) -> None:
         """An attention layer's output gate for the parents' tokens: mean sigmoid per query head
