@@ -10,10 +10,11 @@ server-side time to read signals, score+select and compact, as fractions of that
 bytes moved by the compaction copy; bytes freed versus the theoretical (1 - p) of the
 context's attention KV; the time of one child on the compacted context (16-token question,
 32 tokens out); and how many compacted sessions fit in the pool versus uncompacted.
-Per policy also the bytes of the signals the parent's prefill recorded (measured on the server:
-every tensor its recording holds at compaction, the peak, since it only grows while the prefill
-runs) beside one float32 [n, query heads] tensor per attention layer (computed: what a
-full-context copy of all layers would hold at the least). ``--check-chunking`` compacts the same
+Per policy also the peak bytes of the signals the parent's prefill recorded (measured on the
+server: every tensor its recording holds, at its largest) beside one float32 [n, query heads]
+tensor per attention layer and, on a hybrid, float32 beta, g and ||v|| of every GDN layer for
+the whole context (both computed: what full-context copies of all layers would hold; GateSight
+is scored chunk by chunk inside the prefill, so it holds neither). ``--check-chunking`` compacts the same
 contexts on a second server prefilling each in one chunk and reports whether the keep-sets match.
 """
 
@@ -120,6 +121,9 @@ def main() -> None:
         result["policies"] = per_policy
         num_attention_layers = len(entry["kept_entries"])
         result["full_context_all_layers_f32_bytes_computed"] = n * config["num_attention_heads"] * num_attention_layers * 4
+        gdn_layers = sum(kind == "linear_attention" for kind in config.get("layer_types", []))
+        if gdn_layers:
+            result["full_context_gdn_signals_f32_bytes_computed"] = n * gdn_layers * config["linear_num_value_heads"] * 3 * 4
         chunked_keeps = keep_sets(url) if args.check_chunking else {}
         server.flush()
 
