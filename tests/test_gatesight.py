@@ -266,7 +266,7 @@ class _Batch:
         self.segments = segments
 
 
-def _record_in_chunks(recorder, signals, chunks, skip_gdn_layer=None):
+def _record_in_chunks(recorder, signals, chunks, skip_gdn_layer=None, gates=None):
     """Drive the recorder as a hybrid's prefill would: model layers 0, 2, 3 are GDN, 1 and 4 attention
     (one GDN layer before attention layer 0, three before attention layer 1, as in ``_signals``)."""
     from sglang_kvx.ports import Segment
@@ -276,7 +276,10 @@ def _record_in_chunks(recorder, signals, chunks, skip_gdn_layer=None):
         part = slice(start, start + length)
         for model_layer in range(5):
             if model_layer in (1, 4):
-                recorder.attention((1, 4).index(model_layer), torch.empty(length, 32), batch, 4, 8, 0.3)
+                layer = (1, 4).index(model_layer)
+                recorder.attention(layer, torch.empty(length, 32), batch, 4, 8, 0.3)
+                if gates is not None:  # the gate projection's logits [t, 4 heads x 8]
+                    recorder.output_gate(layer, gates[layer][part], batch, 4)
             elif model_layer != skip_gdn_layer:
                 gdn = signals.gdn[(0, 2, 3).index(model_layer)]
                 # ||v|| of a one-dimensional v is its magnitude: the recorder sees the layer's real norm.
@@ -313,6 +316,23 @@ def test_the_server_scores_a_prefill_chunk_by_chunk_as_the_whole_context_would_b
     one_chunk = 3 * 100 * 4 * 3 * 4  # the largest chunk's beta, g, ||v|| of every GDN layer
     scores = 2 * 2 * 300 * 4
     assert recording.peak_nbytes() <= scores + one_chunk < whole_gdn_bytes
+
+    # The output gates are held as each head's running sum: the gate allocation's budgets are the ones
+    # every token's gate gives.
+    from sglang_kvx.allocate import layer_budgets
+
+    logits = [torch.randn(300, 32, generator=torch.Generator().manual_seed(layer)) + 3.0 * layer - 2.0 for layer in range(2)]
+    recorder.start(5, 300, CaptureSpec(gdn=True, output_gate=True), policy.chunk_scoring())
+    gated = _record_in_chunks(recorder, whole, [(0, 64), (64, 236)], gates=logits)
+    assert all(total.shape == (4,) for total, _ in gated.gates.values())
+    gated.fill(streamed, [0, 2, 3], [1, 4])
+    per_token = [torch.sigmoid(g.reshape(300, 4, 8)).mean(-1) for g in logits]
+    for layer in range(2):
+        assert torch.allclose(streamed.output_gate[layer], per_token[layer].mean(0, keepdim=True), atol=1e-6)
+    whole.output_gate = per_token
+    for p in (0.3, 0.1, 0.05):
+        budgets = layer_budgets("gate", p, 300, 2, streamed)
+        assert budgets == layer_budgets("gate", p, 300, 2, whole) and budgets[0] < budgets[1]
 
     # Under tensor parallelism (no chunk scoring) the signals are held whole, as before.
     recorder.start(5, 300, CaptureSpec(gdn=True))

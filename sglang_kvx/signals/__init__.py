@@ -114,7 +114,9 @@ class ContextSignals:
     attention_column_sums: per attention layer [q_heads, n] (the server keeps [kv_heads, n], summed
         over each KV group, which is all H2O reads), sum over every context query of its
         softmax attention to each key (H2O's accumulated attention).
-    output_gate: per attention layer [n, q_heads], mean |sigmoid(gate)| of the gated attention output.
+    output_gate: per attention layer [t, q_heads], mean |sigmoid(gate)| of the gated attention output
+        over its head dim: per token (t = n) from the offline producers; the server holds only each
+        query head's mean over the context's tokens (t = 1), all the gate allocation reads.
     query_statistics: per attention layer, the QueryStatistics of all n context queries
         (TriAttention); sglang_kvx.policies.triattention.query_statistics makes one from the
         post-RoPE queries and their positions.

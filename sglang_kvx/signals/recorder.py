@@ -64,7 +64,9 @@ class Recording:
         self.peak_bytes = 0  # the most this recording held at once (checked where chunk scoring peaks)
         self.window_queries: list[torch.Tensor | None] = [None] * num_layers  # [w, Hq, D]
         self.column_sums: list[torch.Tensor | None] = [None] * num_layers  # [Hq, n]
-        self.gates: dict[int, list[torch.Tensor]] = {}  # attention layer -> chunks [t, Hq]
+        # attention layer -> (per query head sum over the tokens so far, token count): the gate
+        # allocation reads only the mean, so no per-token gate is held
+        self.gates: dict[int, tuple[torch.Tensor, int]] = {}
         self.gdn: dict[int, list[tuple[torch.Tensor, ...]]] = {}  # GDN layer id -> chunks of (beta, g, v_norm)
         self.query_stats: dict[int, list[Any]] = {}  # attention layer -> per-chunk QueryStatistics
         self.conv_tail: dict[int, torch.Tensor] = {}
@@ -149,7 +151,7 @@ class Recording:
         if self.spec.output_gate:
             if len(self.gates) != num_layers:
                 raise RuntimeError("sglang_kvx: this model's attention layers reported no output gate")
-            signals.output_gate = [torch.cat(self.gates[i]) for i in range(num_layers)]
+            signals.output_gate = [(total / count).float()[None] for total, count in (self.gates[i] for i in range(num_layers))]
         if self.spec.gdn and self.chunk_scoring is not None:
             signals.streamed_scores = [torch.cat(self.scores.get(i, []) or [torch.empty(0)], dim=-1) for i in range(num_layers)]
             if any(s.shape[-1] != self.n for s in signals.streamed_scores):
@@ -270,4 +272,6 @@ class SignalRecorder:
                     per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, num_q_heads, -1)
                     # The gate may be a strided view into the fused projection (Qwen3.5); the sigmoid reads it
                     # in place (a contiguous copy first costs ~1.5x at 4K on one core).
-                    rec.add(rec.gates, layer, torch.sigmoid(per_head.float()).mean(dim=-1))
+                    chunk = torch.sigmoid(per_head.float()).mean(dim=-1).sum(dim=0, dtype=torch.float64)  # [Hq]
+                    total, count = rec.gates.get(layer, (0.0, 0))
+                    rec.gates[layer] = (chunk + total, count + seg.length)
