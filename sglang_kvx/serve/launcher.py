@@ -158,7 +158,9 @@ class ServerProcess:
     def flush(self) -> None:
         flush_cache(self.url)
 
-    def stats(self) -> dict:
-        response = requests.get(self.url + "/kvx/stats", timeout=30)
+    def stats(self, timeout: float = 30) -> dict:
+        """``/kvx/stats``; the scheduler answers between forward steps, so a long step (a KVzip pass
+        over a long context) needs a longer ``timeout``."""
+        response = requests.get(self.url + "/kvx/stats", timeout=timeout)
         response.raise_for_status()
         return response.json()
