@@ -148,3 +148,26 @@ def test_running_requests_report_their_live_entries(gated_server) -> None:
     assert seen, "the request finished before a stats poll saw it"
     report = seen[0]
     assert report["tau"] == 0.3 and sorted(report["live_entries_per_layer"]) == ["1", "2", "3"]
+
+
+def test_without_the_radix_cache_the_prompt_entries_are_freed_too(gated_server) -> None:
+    """With the radix cache on, the prompt's KV belongs to the prefix cache and only the generated
+    stretch is re-folded; with ``--disable-radix-cache`` the request owns its prompt, so the fold
+    also returns the prompt's deleted entries to the pool. Same tokens as the oracle either way."""
+    cell, cached_server, model = gated_server
+    prompt = split_prompt(cell)
+    decode = {"step": "sigmoid-gate", "tau": 0.2}
+    with ServerProcess(cell_path(cell), "--dtype", "float32", "--disable-radix-cache",
+                       "--kvx-decode", json.dumps(decode), max_total_tokens=4096) as server:
+        uncached = generate(server, prompt, decode)
+        server.flush()
+        idle = server.stats()
+        assert idle["kv_pool_free_tokens"] == idle["kv_pool_total_tokens"]  # every slot back, none twice
+    cached = generate(cached_server, prompt, decode)
+    assert uncached["output_ids"] == cached["output_ids"]
+    logprobs, gates = oracle(model, prompt, uncached["output_ids"], 0.2)
+    assert logprobs.argmax(-1).tolist() == uncached["output_ids"]
+    deleted_in_prompt = sum(int((g[0, : len(prompt)] < 0.2).sum()) for g in gates)
+    assert deleted_in_prompt > 0
+    freed = uncached["meta_info"]["kvx"][0]["freed_bytes"], cached["meta_info"]["kvx"][0]["freed_bytes"]
+    assert freed[0] > freed[1] > 0, freed
