@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class GDNLayout:
     """Which GDN layers an attention layer's chunk scores read, and when a GDN layer's chunk can go."""
 
-    def __init__(self, gdn_layer_ids: list[int], attention_layer_ids: list[int], window: int) -> None:
+    def __init__(self, gdn_layer_ids: Sequence[int], attention_layer_ids: Sequence[int], window: int) -> None:
         self.gdn_layer_ids = list(gdn_layer_ids)
         self.before = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]  # GDN layers before each
         self.window = window
@@ -170,8 +170,8 @@ class Recording:
 class SignalRecorder:
     """The recordings of one scheduler, by request row."""
 
-    def __init__(self, pool: KVPool, num_q_heads: int, rope_inv_freq, gdn_layer_ids: list[int] = (),
-                 attention_layer_ids: list[int] = ()) -> None:
+    def __init__(self, pool: KVPool, num_q_heads: int, rope_inv_freq, gdn_layer_ids: Sequence[int] = (),
+                 attention_layer_ids: Sequence[int] = ()) -> None:
         self.pool = pool
         self.num_q_heads = num_q_heads
         self._rope_inv_freq = rope_inv_freq  # () -> the model's RoPE frequencies (TriAttention only)
