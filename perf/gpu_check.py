@@ -273,11 +273,14 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
     policies = {name: GateSightPolicy(estimator=estimator, impl="torch") if name == "gatesight" else get_policy(name)()
                 for name in servable_policy_names()}
     compactor = Compactor(pool, policies.__getitem__, heads, attention_ids, gdn_ids, per_layer_lengths=True)
-    recorder = SignalRecorder(pool, heads, lambda: inv_freq.to(device))
+    recorder = SignalRecorder(pool, heads, lambda: inv_freq.to(device), gdn_ids, attention_ids)
     keeps, gatesight_s = {}, 0.0
     for name, policy in policies.items():
         spec = policy.captures()
-        recorder.start(0, n, spec)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()  # GateSight scores inside the prefill, chunk by chunk, as on one server rank
+        recorder.start(0, n, spec, policy.chunk_scoring())
         for start in range(0, n, chunk):  # the prefill's chunks, as the adapter hands them over
             length = min(chunk, n - start)
             batch = OnePrefill(start, length)
@@ -302,6 +305,7 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
 
         if device.type == "cuda":
             torch.cuda.synchronize()
+        recording_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         context = compactor.compact(tuple(range(n)), pool.slots[:n].clone(),
                                     CompactionSettings(name, keep_fraction, 4, policy.allocation),
@@ -310,7 +314,7 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
         if device.type == "cuda":
             torch.cuda.synchronize()
         if name == "gatesight":
-            gatesight_s = time.perf_counter() - t0
+            gatesight_s = recording_s + time.perf_counter() - t0
         keeps[name] = context.keep_positions
     return keeps, gatesight_s
 
@@ -334,9 +338,13 @@ QWEN3_NEXT = dict(hidden=2048, heads=16, kv_heads=2, head_dim=256, key_heads=16,
                   mlp=5632, gdn_layers=36, attention_layers=12)  # Qwen3-Next-80B-A3B; mlp: 10 routed + 1 shared expert of 512
 
 
+PREFILL_CHUNK = 8192  # SGLang's chunked-prefill size on GPUs
+
+
 def gatesight_cost(device: torch.device, n: int, shape: dict, keep_fraction: float = 0.1, repeats: int = 3) -> dict:
     """GateSight's scoring (features, the estimators' MLP op, top-K per head) for one n-token context of
-    a model of ``shape``, against a lower bound on that context's prefill: every layer's projections,
+    a model of ``shape``, as one server rank runs it (chunk by chunk in 8K prefill chunks; also the
+    whole context at once, as tensor-parallel ranks do after gathering the signals), against a lower bound on that context's prefill: every layer's projections,
     attention (SDPA, causal) and MLP at the real shape, timed one layer of each kind and counted
     over the stack (computed), with the GDN recurrence and the MoE routing left out, so the real
     prefill is longer and the true fraction smaller. Random weights, bf16 on CUDA (float32 on CPU)."""
@@ -398,13 +406,27 @@ def gatesight_cost(device: torch.device, n: int, shape: dict, keep_fraction: flo
     policy = GateSightPolicy(estimator=estimator)
     budget = int(keep_fraction * n)
 
-    def score_and_select():
+    def score_and_select():  # the whole context at once: a tensor-parallel rank, after the gather
         return select_keep_set(policy.score_layers(signals), [budget] * layers, 0)
 
-    _, scoring_s = timed(score_and_select, device, repeats)
-    if scoring_s is None:
-        scoring_s = min(_wall(score_and_select) for _ in range(max(1, repeats)))
+    def score_in_chunks_and_select():  # one rank: each 8K prefill chunk scored as it runs (the recorder)
+        scores = [[] for _ in range(layers)]
+        for start in range(0, n, PREFILL_CHUNK):
+            positions = range(start, min(n, start + PREFILL_CHUNK))
+            for layer in range(layers):
+                before = signals.gdn_layer_of_attention[layer]
+                gdn = [GDNLayerSignals(*(t[positions.start : positions.stop] for t in (s.beta, s.g, s.v_norm)))
+                       for s in signals.gdn[max(0, before - policy.window) : before]]
+                scores[layer].append(policy.score_chunk(layer, gdn, positions, n))
+        return select_keep_set([torch.cat(chunks, dim=-1) for chunks in scores], [budget] * layers, 0)
+
+    costs = []
+    for fn in (score_in_chunks_and_select, score_and_select):
+        _, cost = timed(fn, device, repeats)
+        costs.append(cost if cost is not None else min(_wall(fn) for _ in range(max(1, repeats))))
+    scoring_s, whole_s = costs
     return {"case": f"gatesight_cost_{n}", "context_tokens": n, "scoring_s": round(scoring_s, 5),
+            "scoring_whole_context_s": round(whole_s, 5),
             "prefill_lower_bound_s_computed": round(prefill_s, 5), "gdn_layer_s": round(gdn_s, 5),
             "attention_layer_s": round(attention_s, 5),
             "scoring_frac_of_prefill_upper_bound": round(scoring_s / prefill_s, 5)}
