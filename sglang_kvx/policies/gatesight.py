@@ -55,6 +55,7 @@ class GateSightPolicy(KVPolicy):
             estimator = GateSightEstimator.load(estimator, model_path=model_path)
         self.estimator = estimator
         self.window = int(estimator.manifest.get("gdn_window", 6))
+        self.gdn_heads = (estimator.num_features - AGE_FEATURES) // (SIGNALS_PER_HEAD * self.window)  # value heads read
         self.impl = impl
 
     @classmethod
@@ -79,8 +80,7 @@ class GateSightPolicy(KVPolicy):
     def score_chunk(self, layer: int, gdn: list[GDNLayerSignals], positions: range, n: int) -> torch.Tensor:
         """[kv_heads, t]: attention layer ``layer``'s utilities of the context positions ``positions``,
         from their signals of the GDN layers before it (all heads of the model, oldest layer first)."""
-        heads = (self.estimator.num_features - AGE_FEATURES) // (SIGNALS_PER_HEAD * self.window)  # GDN value heads
-        features = chunk_features(gdn, self.window, positions, n, heads)
+        features = chunk_features(gdn, self.window, positions, n, self.gdn_heads)
         return self.estimator.score(features[None], impl=self.impl, layers=slice(layer, layer + 1))[0]
 
     def score_layers(self, signals: ContextSignals, budgets: list[int] | None = None) -> list[torch.Tensor]:

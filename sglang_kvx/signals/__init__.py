@@ -8,15 +8,13 @@ named in its ``needs``; the producer fills only what some policy asked for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable
+
+import torch
 
 if TYPE_CHECKING:
     from sglang_kvx.ports import TensorParallel
-
-from dataclasses import dataclass, field, replace
-from typing import Callable
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -164,6 +162,11 @@ class ContextSignals:
     def group_size(self) -> int:
         """Query heads sharing one KV head (GQA)."""
         return self.num_q_heads // self.num_kv_heads
+
+
+def gdn_layers_before(gdn_layer_ids, attention_layer_ids) -> list[int]:
+    """Per attention layer, how many GDN layers precede it in the model (``gdn_layer_of_attention``)."""
+    return [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]
 
 
 def rank_kv_heads(total: int, rank: int, size: int) -> tuple[int, int]:

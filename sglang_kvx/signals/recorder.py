@@ -26,7 +26,7 @@ from sglang_kvx.ops.gdn import causal_conv1d, gdn_gates
 from sglang_kvx.policies.h2o import add_column_sums
 from sglang_kvx.policies.triattention import combine_query_statistics, query_statistics
 from sglang_kvx.ports import Batch, KVPool, Segment
-from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals, GDNLayerSignals
+from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals, GDNLayerSignals, gdn_layers_before
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class GDNLayout:
 
     def __init__(self, gdn_layer_ids: Sequence[int], attention_layer_ids: Sequence[int], window: int) -> None:
         self.gdn_layer_ids = list(gdn_layer_ids)
-        self.before = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]  # GDN layers before each
+        self.before = gdn_layers_before(gdn_layer_ids, attention_layer_ids)
         self.window = window
         self.read = {gdn_layer_ids[i] for b in self.before for i in range(max(0, b - window), b)}
 
@@ -162,7 +162,7 @@ class Recording:
                 GDNLayerSignals(*(torch.cat([chunk[k] for chunk in self.gdn[layer_id]]) for k in range(3)))
                 for layer_id in gdn_layer_ids
             ]
-            signals.gdn_layer_of_attention = [sum(g < a for g in gdn_layer_ids) for a in attention_layer_ids]
+            signals.gdn_layer_of_attention = gdn_layers_before(gdn_layer_ids, attention_layer_ids)
         if self.spec.query_statistics:
             signals.query_statistics = [combine_query_statistics(self.query_stats[i]) for i in range(num_layers)]
 
