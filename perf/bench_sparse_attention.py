@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python perf/bench_sparse_attention.py [--model tiny-hybrid-deep] [--length 2048]
         [--tasks ...] [--samples 4] [--budget 256] [--fraction 0.1] [--index-fractions 0.5,0.2,0.1]
-        [--scan-lengths 2048,4096,8192,16384]
+        [--index-lengths 2048,4096,8192,16384] [--scan-lengths 2048,4096,8192,16384] [--scan-rows 1,16]
+        [--scan-shape HQ,HKV,D]
 
 In one run:
 1. Accuracy on the suite (``sglang_kvx.eval``'s sessions, seed 0) from two real servers on the same
@@ -10,13 +11,17 @@ In one run:
    contexts compacted by ``--policy`` (GateSight by default) at ``--fraction`` (the sparse server's children read each layer's
    kept entries regrouped into new blocks). Target: regrouped sparse within 5 points of sparse over
    the full cache.
-2. Index size, measured from the sparse server: one context of ``--length`` tokens compacted by
-   the policy at each of ``--index-fractions``; ``/kvx/stats`` gives the blocks each layer's indexer
-   scans for the full context and for its regrouped kept entries, against p * n / 4.
+2. Index size, measured from the dense server (which compacts exactly as the sparse one; the
+   indexer's blocks are ceil(K_l / 4) per KV head for the K_l entries layer l kept, which is what
+   the sparse server's ``/kvx/stats`` reports and its tests check): one suite context of each of
+   ``--index-lengths`` tokens compacted by the policy at each of ``--index-fractions``, the blocks each
+   layer's indexer scans for the full context and for its regrouped kept entries, against p * n / 4.
 3. Indexer scan time per decode step (the kernel layer's ``select_blocks``, torch reference on this
-   machine; one decode query per KV head, the model's head shape, random keys): the full index of
-   n / 4 blocks against the regrouped index of the kept fraction, at each of ``--scan-lengths``,
-   median of ``--repeats``. Prints one JSON object.
+   machine; a decode batch of each of ``--scan-rows`` rows, one query each, the model's head shape or
+   ``--scan-shape``, random keys): the full index of n / 4 blocks per row against the regrouped index
+   of the kept fraction, at each of ``--scan-lengths``, median of ``--repeats``; and per row count a
+   least-squares line seconds = fixed + per_block * blocks over all its points, which separates the
+   per-call cost from the part that scales with the index. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import requests
 import torch
+from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from sglang_kvx.eval.runner import evaluate, summarize
@@ -54,28 +60,60 @@ def index_sizes(url: str, context_ids: list[int], fractions: list[float], policy
         response = requests.post(url + "/generate", json=body, timeout=600)
         response.raise_for_status()
         entry = [c for c in requests.get(url + "/kvx/stats", timeout=30).json()["compacted_contexts"]
-                 if c["keep_fraction"] == p][-1]
-        index = entry["sparse_index_blocks"]
-        regrouped = index["regrouped_per_layer"]
+                 if c["keep_fraction"] == p and c["context_tokens"] == len(context_ids)][-1]
+        regrouped = [-(-kept // BLOCK) for kept in entry["kept_entries"]]
         target = p * len(context_ids) / BLOCK
-        sizes[f"{p:g}"] = {"full_context_blocks": index["full_context"], "regrouped_blocks_per_layer": regrouped,
+        sizes[f"{p:g}"] = {"context_tokens": len(context_ids), "full_context_blocks": -(-len(context_ids) // BLOCK),
+                           "regrouped_blocks_per_layer": regrouped,
                            "regrouped_mean": statistics.mean(regrouped), "p_n_over_4": target,
                            "mean_vs_target": statistics.mean(regrouped) / target}
     return sizes
 
 
-def scan_seconds(blocks: int, kv_heads: int, heads: int, head_dim: int, budget_blocks: int, repeats: int) -> float:
-    """Median seconds of one decode step's block selection over an index of ``blocks`` compressed keys."""
-    gen = torch.Generator().manual_seed(blocks)
-    keys = torch.randn(blocks, kv_heads, head_dim, generator=gen)
-    q = torch.randn(1, heads, head_dim, generator=gen)
-    lo, hi = torch.zeros(1, dtype=torch.long), torch.full((1,), blocks)
+def scan_seconds(blocks: int, rows: int, kv_heads: int, heads: int, head_dim: int, budget_blocks: int,
+                 repeats: int) -> float:
+    """Median seconds of one decode step's block selection: ``rows`` rows, one query each, each row
+    over its own index of ``blocks`` compressed keys (laid out one row after another, as served)."""
+    gen = torch.Generator().manual_seed(blocks * 131 + rows)
+    keys = torch.randn(rows * blocks, kv_heads, head_dim, generator=gen)
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    lo = torch.arange(rows) * blocks
+    hi = lo + blocks
     times = []
     for _ in range(repeats + 2):
         start = time.perf_counter()
         select_blocks(q, keys, lo, hi, budget_blocks, 1, head_dim ** -0.5, impl="torch")
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])  # two warm-up calls
+
+
+def fit_line(points: list[tuple[int, float]]) -> dict[str, float]:
+    """Least squares seconds = fixed + per_block * blocks (computed from the measured points)."""
+    xs, ys = [float(x) for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return {"fixed_seconds": mean_y - slope * mean_x, "seconds_per_block": slope}
+
+
+def scan_table(lengths: list[int], fractions: list[float], rows: int, shape: tuple[int, int, int],
+               budget_blocks: int, repeats: int) -> dict:
+    heads, kv_heads, head_dim = shape
+    table: dict = {}
+    points = []
+    for n in lengths:
+        blocks = -(-n // BLOCK)
+        full = scan_seconds(blocks, rows, kv_heads, heads, head_dim, budget_blocks, repeats)
+        points.append((blocks * rows, full))
+        row = {"full_index_seconds": full}
+        for p in fractions:
+            kept_blocks = -(-int(p * n) // BLOCK)
+            seconds = scan_seconds(kept_blocks, rows, kv_heads, heads, head_dim, budget_blocks, repeats)
+            points.append((kept_blocks * rows, seconds))
+            row[f"p{p:g}"] = {"seconds": seconds, "vs_full": seconds / full, "index_vs_full": kept_blocks / blocks}
+        table[str(n)] = row
+    if len({x for x, _ in points}) > 1:
+        table["fit_over_blocks_scanned"] = fit_line(points)
+    return table
 
 
 def main() -> None:
@@ -88,7 +126,13 @@ def main() -> None:
     parser.add_argument("--policy", default="gatesight", help="compaction policy (default: gatesight; a dense model: e.g. snapkv)")
     parser.add_argument("--fraction", type=float, default=0.1, help="the policy's kept fraction for the accuracy arms (default: 0.1)")
     parser.add_argument("--index-fractions", default="0.5,0.2,0.1", help="kept fractions for the index sizes (default: 0.5,0.2,0.1)")
+    parser.add_argument("--index-lengths", default="2048,4096,8192,16384",
+                        help="context lengths for the index sizes (default: 2048,4096,8192,16384)")
     parser.add_argument("--scan-lengths", default="2048,4096,8192,16384", help="context lengths for the scan timing")
+    parser.add_argument("--scan-rows", default="1,16", help="decode rows per timed scan (default: 1,16)")
+    parser.add_argument("--scan-shape", default="",
+                        help="HQ,HKV,D: time the scan at these attention heads and head size instead of the model's "
+                             "(e.g. 16,2,256 for Qwen3-Next)")
     parser.add_argument("--repeats", type=int, default=20, help="timed scans per point (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default: 24)")
     args = parser.parse_args()
@@ -97,36 +141,43 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tasks = [t for t in args.tasks.split(",") if t]
     fractions = [float(f) for f in args.index_fractions.split(",") if f]
+    index_lengths = [int(x) for x in args.index_lengths.split(",") if x]
     context_length = args.length + args.max_new_tokens + 128
-    server_args = ("--context-length", str(context_length), "--kvx-policy", args.policy)
+    server_args = ("--kvx-policy", args.policy)
     result: dict = {"model": args.model, "length": args.length, "tasks": tasks, "samples_per_task": args.samples,
                     "budget_tokens": args.budget, "policy": args.policy, "fraction": args.fraction, "accuracy": {}}
     for arm, extra in (("dense", ()), ("sparse", ("--kvx-sparse-attention", str(args.budget)))):
-        with ServerProcess(path, *server_args, *extra, max_total_tokens=8 * context_length) as server:
+        # The dense server also holds the longest index context (its compaction is the sparse one's).
+        longest = max([context_length, *(n + 128 for n in index_lengths)]) if arm == "dense" else context_length
+        with ServerProcess(path, *server_args, *extra, "--context-length", str(longest),
+                           max_total_tokens=max(8 * context_length, 2 * longest)) as server:
             rows = evaluate(server.url, tasks, args.length, args.samples, [args.policy], [args.fraction],
                             max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
             means = summarize(rows)
             result["accuracy"][arm] = {"full_cache": means[("full", 1.0)],
                                        f"{args.policy}_p{args.fraction:g}": means[(args.policy, args.fraction)],
                                        "per_task": rows}
-            if arm == "sparse":
-                sample = generate_sample(tasks[0], args.length, seed=0, index=0, tokenizer=tokenizer)
-                result["index_sizes"] = index_sizes(server.url, tokenizer.encode(sample.context), fractions, args.policy)
+            if arm == "dense":
+                result["index_sizes"] = {}
+                for n in tqdm(index_lengths, desc="index sizes"):
+                    sample = generate_sample(tasks[0], n, seed=0, index=0, tokenizer=tokenizer)
+                    result["index_sizes"][str(n)] = index_sizes(server.url, tokenizer.encode(sample.context),
+                                                                fractions, args.policy)
     sparse = result["accuracy"]["sparse"]
     result["regrouped_minus_sparse_full"] = round(sparse[f"{args.policy}_p{args.fraction:g}"] - sparse["full_cache"], 2)
     config = json.loads((path / "config.json").read_text())
     text = config.get("text_config", config)
-    kv_heads, heads = text["num_key_value_heads"], text["num_attention_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    scans = {}
-    for n in [int(x) for x in args.scan_lengths.split(",") if x]:
-        full = scan_seconds(-(-n // BLOCK), kv_heads, heads, head_dim, args.budget // BLOCK, args.repeats)
-        row = {"full_index_seconds": full}
-        for p in fractions:
-            seconds = scan_seconds(-(-int(p * n) // BLOCK), kv_heads, heads, head_dim, args.budget // BLOCK, args.repeats)
-            row[f"p{p:g}"] = {"seconds": seconds, "vs_full": seconds / full}
-        scans[str(n)] = row
-    result["scan_per_decode_step"] = scans
+    heads = text["num_attention_heads"]
+    shape = (heads, text["num_key_value_heads"], text.get("head_dim") or text["hidden_size"] // heads)
+    if args.scan_shape:
+        shape = tuple(int(x) for x in args.scan_shape.split(","))
+        if len(shape) != 3 or shape[0] % shape[1]:
+            parser.error("--scan-shape is HQ,HKV,D with HQ a multiple of HKV")
+    scan_lengths = [int(x) for x in args.scan_lengths.split(",") if x]
+    result["scan_shape"] = {"heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2]}
+    result["scan_per_decode_step"] = {
+        f"rows{rows}": scan_table(scan_lengths, fractions, rows, shape, args.budget // BLOCK, args.repeats)
+        for rows in tqdm([int(x) for x in args.scan_rows.split(",") if x], desc="scan timing")}
     print(json.dumps(result, indent=2))
 
 

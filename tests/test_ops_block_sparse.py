@@ -124,6 +124,32 @@ def test_a_budget_as_large_as_the_context_is_dense_causal_attention(monkeypatch)
     assert torch.allclose(got, want.transpose(0, 1), atol=1e-6)
 
 
+def test_a_decode_batch_scores_each_row_against_its_own_blocks_only() -> None:
+    # Three decode rows of different lengths, their blocks one after another (as the server lays
+    # them out): scored together, each row's choice is the one it gets alone, and no row reads
+    # another's blocks (row 1's blocks are made the best of all, so a leak would pick them).
+    gen = torch.Generator().manual_seed(11)
+    lengths = [9, 4, 13]  # blocks per row
+    keys = torch.randn(sum(lengths), 2, 8, generator=gen)
+    keys[9:13] *= 50.0
+    q = torch.randn(3, 4, 8, generator=gen).abs()
+    keys[9:13] = keys[9:13].abs()
+    block_from = torch.tensor([0, 9, 13])
+    block_to = block_from + torch.tensor(lengths)
+    together = select_blocks(q, keys, block_from, block_to, budget_blocks=4, sink_blocks=1, scaling=0.3)
+    for n in range(3):
+        alone = select_blocks(q[n : n + 1], keys, block_from[n : n + 1], block_to[n : n + 1], budget_blocks=4,
+                              sink_blocks=1, scaling=0.3)
+        assert torch.equal(together[n], alone[0])
+        chosen = together[n][together[n] >= 0]
+        assert bool(((chosen >= block_from[n]) & (chosen < block_to[n])).all())
+    # Brute force for row 2: sink, local, then its two best middle blocks by the group's summed query.
+    for h in range(2):
+        grouped = q[2, 2 * h] + q[2, 2 * h + 1]
+        best = ((keys[14:25, h] @ grouped).topk(2).indices + 14).tolist()
+        assert together[2, h].tolist() == sorted([13, 25, *best])
+
+
 def with_extra_cells(case: dict, moved: int = 9) -> dict:
     """The same row with its entries from index 10 on moved out of the pool into extra cells
     (as a compacted layer's borrowed cells): slots P + j name extra row j."""

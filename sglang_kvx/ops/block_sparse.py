@@ -125,26 +125,27 @@ def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from
                            block_to: torch.Tensor, scaling: float) -> torch.Tensor:
     """[N, Hkv, W] the indexer's score of each query's visible blocks ``block_from[n] + w`` (W the
     widest span; -inf past a query's own), summed over each KV head's query group. Queries sharing
-    a ``block_from`` (one row's) are scored against that row's blocks in one product."""
+    a ``block_from`` (one row's) are scored against that row's blocks in one product; what a query
+    may not see is masked once for the batch, so a row costs one product (a decode step's scan
+    grows with the blocks it reads, not with per-row bookkeeping)."""
     num_q, num_heads, _ = q.shape
     kv_heads = block_keys.shape[1]
-    width = int((block_to - block_from).max()) if num_q else 0
-    grouped = q.float().view(num_q, kv_heads, num_heads // kv_heads, -1).sum(2)  # the group's summed query
-    scores = q.new_full((num_q, kv_heads, width), float("-inf"), dtype=torch.float32)
-    starts = block_from.tolist()
+    visible_blocks = block_to - block_from
+    width = int(visible_blocks.max()) if num_q else 0
+    grouped = q.float().view(num_q, kv_heads, num_heads // kv_heads, -1).sum(2).mul_(scaling)
+    scores = torch.empty((num_q, kv_heads, width), dtype=torch.float32, device=q.device)
+    starts, counts = block_from.tolist(), visible_blocks.tolist()
     run = 0
     while run < num_q:  # runs of queries with one block_from
-        end = run
+        end, span = run, 0
         while end < num_q and starts[end] == starts[run]:
+            span = max(span, counts[end])
             end += 1
-        lo = starts[run]
-        span = int((block_to[run:end] - lo).max())
-        keys = block_keys[lo : lo + span].float()  # [span, Hkv, D]
-        part = torch.einsum("nhd,whd->nhw", grouped[run:end], keys) * scaling
-        visible = torch.arange(span, device=q.device)[None, :] < (block_to[run:end] - lo)[:, None]
-        scores[run:end, :, :span] = part.masked_fill(~visible[:, None, :], float("-inf"))
+        keys = block_keys[starts[run] : starts[run] + span].float()  # [span, Hkv, D]
+        scores[run:end, :, :span] = torch.einsum("nhd,whd->nhw", grouped[run:end], keys)
         run = end
-    return scores
+    hidden = torch.arange(width, device=q.device)[None, :] >= visible_blocks[:, None]
+    return scores.masked_fill_(hidden[:, None, :], float("-inf"))
 
 
 def _pick(scores: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor, budget_blocks: int,
