@@ -136,6 +136,21 @@ def test_paired_supervision_of_one_document():
         assert torch.equal(data["prev"][i], doc["local_h"][i - 1] if g[i - 1] < 0 else doc["full_h"][i - 1])
 
 
+def test_a_greedy_reference_is_the_models_own_full_continuation():
+    from sglang_kvx.reference.hf import HFReference
+
+    ref = HFReference(WEIGHTS / "tiny-hybrid-deep")
+    gold, gold_len, _ = trh.reference_ids(ref, "niah_single_1", 512, trh.TRAIN_SEED, 0)
+    ids, prompt_len, _ = trh.reference_ids(ref, "niah_single_1", 512, trh.TRAIN_SEED, 0, reference="greedy",
+                                           reference_tokens=12)
+    assert prompt_len == gold_len and ids[:prompt_len] == gold[:gold_len]
+    want = ref.greedy(ids[:prompt_len], 12)  # HF generate, an independent decoder (no EOS stop)
+    stops = ref.stop_ids()
+    cut = next((i for i, t in enumerate(want) if t in stops), len(want))
+    assert ids[prompt_len:] == want[:cut] and len(ids) > prompt_len
+    assert ids[prompt_len:] != gold[gold_len:]  # the model's continuation, not the gold answer
+
+
 @pytest.mark.parametrize("name", TRAINED)
 def test_trained_head_loads_and_ranks_held_out_steps(name, capsys):
     folder = WEIGHTS / "oda" / name

@@ -70,6 +70,18 @@ class HFReference:
 
         return AutoTokenizer.from_pretrained(self.model_path)
 
+    def stop_ids(self) -> set[int]:
+        """The token ids the SGLang server ends a request on (``Req._check_token_based_finish``): the
+        config's and generation_config's ``eos_token_id`` and the tokenizer's EOS."""
+        ids: set[int] = set()
+        for source in (self.model.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
     def encode(self, text: str) -> list[int]:
         """Token ids exactly as SGLang's /generate builds them for a text prompt."""
         return self.tokenizer(text).input_ids

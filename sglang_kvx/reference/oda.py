@@ -163,3 +163,50 @@ def paired_step(model: Any, cache: Any, token: int, seq_len: int, sinks: int,
         cache = pre_step
     full_h, full_logits = forward_step(model, cache, token, seq_len)
     return local_h, local_logits, full_h, full_logits, cache
+
+
+# --- the per-step oracle route (perf/bench_oda_oracle.py) ----------------------------------------
+
+@dataclass
+class PairedResult(ODAResult):
+    """An ODAResult whose every routed step ran both branches from the same pre-step state."""
+    local_tokens: list[int] = field(default_factory=list)  # per routed step: Local's argmax
+    full_tokens: list[int] = field(default_factory=list)  # per routed step: Full's argmax
+
+    @property
+    def disagree(self) -> list[bool]:
+        """Per routed step: True where Local's argmax differs from Full's (the step needs Full)."""
+        return [a != b for a, b in zip(self.local_tokens, self.full_tokens)]
+
+
+@torch.no_grad()
+def oracle_generate(model: HFReference | Any, input_ids: list[int], max_new_tokens: int, sinks: int, window: int,
+                    commit: str = "oracle", stop_ids: tuple[int, ...] | set[int] = ()) -> PairedResult:
+    """Greedy decoding that runs every routed step under Local and under Full from the same
+    pre-step state (as ``paired_step``) and commits (logits and cache) the branch ``commit``
+    names: ``"oracle"`` Local's where its argmax token equals Full's, else Full's (the cheapest
+    route that reproduces Full's greedy choice at every step, from its own state); ``"full"``
+    always Full (the Full trajectory, Local's counterfactual recorded beside it).
+    Stops after ``max_new_tokens`` outputs or after an output in ``stop_ids`` (kept in ``tokens``,
+    as the server's EOS stop keeps it); ``full_steps`` marks the committed branch per routed step;
+    ``hidden`` is not kept."""
+    if commit not in ("oracle", "full"):
+        raise ValueError(f"commit must be 'oracle' or 'full', not {commit!r}")
+    cache, _, logits = prefill(model, input_ids)
+    result = PairedResult([], [], [])
+    while True:
+        token = int(logits.argmax())
+        result.tokens.append(token)
+        result.logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+        if len(result.tokens) == max_new_tokens or token in stop_ids:
+            return result
+        seq_len = len(input_ids) + len(result.tokens)
+        full_cache = copy.deepcopy(cache)  # the pre-step state, for the Full branch
+        _, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
+        _, full_logits = forward_step(model, full_cache, token, seq_len)
+        local_token, full_token = int(local_logits.argmax()), int(full_logits.argmax())
+        result.local_tokens.append(local_token)
+        result.full_tokens.append(full_token)
+        full = commit == "full" or local_token != full_token
+        cache, logits = (full_cache, full_logits) if full else (cache, local_logits)
+        result.full_steps.append(full)

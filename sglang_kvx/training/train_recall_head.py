@@ -7,7 +7,11 @@ Reads top to bottom:
 1. Documents: prompts from the evaluation suite's task generators (``sglang_kvx.eval.tasks``) at
    seeds disjoint from the ones the suite is measured on (tables use seed 100, the runner's default
    is 0; training uses TRAIN_SEED, the held-out split DEV_SEED). The reference continuation of a
-   prompt is its gold answer (values joined by ", ").
+   prompt is its gold answer (values joined by ", "), or with ``--reference greedy`` the model's own
+   Full greedy continuation of ``--reference-tokens`` tokens: the steps the head will route when
+   serving, which go on past the answer (a small model repeats it, and repeats read the recent
+   window, not the needle; the seed's B.7: model-generated targets make the gain's expectation the
+   Full-Local KL).
 2. Paired supervision (A.3): a Full prefill of the prompt up to its last ``--question-tokens``
    tokens, then teacher-forced decoding of those tokens and the reference answer with the Full
    cache (the Full trunk). At every step, from the same pre-step cache: a Local one-token forward
@@ -59,11 +63,30 @@ HELDOUT_FILE = "heldout.safetensors"  # a sample of the held-out supervision, fo
 
 # ------------------------------------------------------------------- 1-2. paired supervision
 
-def reference_ids(ref: HFReference, task: str, length: int, seed: int, index: int) -> tuple[list[int], int, dict]:
-    """Prompt + reference answer token ids, the prompt's length, and the sample's description."""
+@torch.no_grad()
+def full_greedy(ref: HFReference, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The model's Full-attention greedy continuation of ``prompt``, up to its EOS (excluded)."""
+    stop = ref.stop_ids()
+    cache, _, logits = oda.prefill(ref, prompt)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        token = int(logits.argmax())
+        if token in stop:
+            break
+        tokens.append(token)
+        _, logits = oda.forward_step(ref, cache, token, len(prompt) + len(tokens))
+    return tokens
+
+
+def reference_ids(ref: HFReference, task: str, length: int, seed: int, index: int, reference: str = "gold",
+                  reference_tokens: int = 32) -> tuple[list[int], int, dict]:
+    """Prompt + reference continuation token ids, the prompt's length, and the sample's description."""
     sample = generate_sample(task, length, seed=seed, index=index, tokenizer=ref.tokenizer)
     prompt = ref.encode(sample.prompt)
-    answer = ref.tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
+    if reference == "greedy":
+        answer = full_greedy(ref, prompt, reference_tokens)
+    else:
+        answer = ref.tokenizer(" " + ", ".join(sample.answers), add_special_tokens=False).input_ids
     return prompt + answer, len(prompt), {"task": task, "seed": seed, "index": index, "answers": sample.answers}
 
 
@@ -98,9 +121,11 @@ def document_supervision(ref: HFReference, ids: list[int], prompt_len: int, sink
 
 
 def build_split(ref: HFReference, model_name: str, tasks: list[str], docs: int, seed: int, length: int,
-                sinks: int, window: int, question_tokens: int, desc: str) -> list[dict[str, Any]]:
+                sinks: int, window: int, question_tokens: int, desc: str, reference: str = "gold",
+                reference_tokens: int = 32) -> list[dict[str, Any]]:
     """``docs`` documents round-robin over ``tasks`` at ``seed``, each cached in /tmp."""
-    folder = CACHE_ROOT / f"{model_name}_L{length}_s{sinks}_w{window}_q{question_tokens}"
+    kind = "" if reference == "gold" else f"_greedy{reference_tokens}"
+    folder = CACHE_ROOT / f"{model_name}_L{length}_s{sinks}_w{window}_q{question_tokens}{kind}"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for k in tqdm(range(docs), desc=desc, unit="doc"):
@@ -109,7 +134,7 @@ def build_split(ref: HFReference, model_name: str, tasks: list[str], docs: int, 
         if path.exists():
             out.append(torch.load(path))
             continue
-        ids, prompt_len, info = reference_ids(ref, task, length, seed, index)
+        ids, prompt_len, info = reference_ids(ref, task, length, seed, index, reference, reference_tokens)
         doc = document_supervision(ref, ids, prompt_len, sinks, window, question_tokens)
         doc["info"] = info
         torch.save(doc, path)
@@ -282,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dev-docs", type=int, default=39, help="labelled held-out documents (default: %(default)s)")
     p.add_argument("--question-tokens", type=int, default=16,
                    help="prompt tokens teacher-forced before the answer (default: %(default)s)")
+    p.add_argument("--reference", choices=("gold", "greedy"), default="gold",
+                   help="the teacher-forced continuation: the sample's gold answer, or the model's own Full greedy "
+                        "one (default: %(default)s)")
+    p.add_argument("--reference-tokens", type=int, default=32,
+                   help="tokens of the greedy reference, up to EOS (default: %(default)s)")
     p.add_argument("--lam", type=float, default=0.01, help="Full-call penalty lambda in nats (default: %(default)s)")
     p.add_argument("--tau-hist", type=float, default=0.0,
                    help="gain below which the labels' history takes the Local hidden state, else the Full one "
@@ -313,9 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tasks = [t for t in args.tasks.split(",") if t]
 
     train_docs = build_split(ref, name, tasks, args.train_docs, TRAIN_SEED, args.length, args.sinks, args.window,
-                             args.question_tokens, "supervision (train)")
+                             args.question_tokens, "supervision (train)", args.reference, args.reference_tokens)
     dev_docs = build_split(ref, name, tasks, args.dev_docs, DEV_SEED, args.length, args.sinks, args.window,
-                           args.question_tokens, "supervision (held-out)")
+                           args.question_tokens, "supervision (held-out)", args.reference, args.reference_tokens)
     supervision_s = time.time() - began
     train = assemble(train_docs, args.lam, args.tau_hist)
     dev = assemble(dev_docs, args.lam, args.tau_hist)
@@ -336,9 +366,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "inputs": "score = head(prev_h, emb, local_h); see sglang_kvx/decode/recall_head.py",
         "target": "y = sign(d) log(1 + |d|), d = log p_Full(y) - log p_Local(y) - lambda; Huber(1)",
         "data": {
-            "description": "evaluation-suite prompts (sglang_kvx.eval.tasks) with their gold answers as the reference "
-                           f"continuation; teacher-forced over the last {args.question_tokens} prompt tokens and the "
-                           "answer with the Full cache; Local and Full one-token counterfactuals per step",
+            "description": "evaluation-suite prompts (sglang_kvx.eval.tasks) with "
+                           + ("their gold answers" if args.reference == "gold" else
+                              f"the model's own Full greedy continuation (up to {args.reference_tokens} tokens, to EOS)")
+                           + f" as the reference continuation; teacher-forced over the last {args.question_tokens} "
+                           "prompt tokens and the reference with the Full cache; Local and Full one-token "
+                           "counterfactuals per step",
+            "reference": args.reference,
             "tasks": tasks, "length": args.length,
             "split": {"train": {"seed": TRAIN_SEED, "documents": args.train_docs, "positions": len(train["y"])},
                       "held_out": {"seed": DEV_SEED, "documents": args.dev_docs, "positions": len(dev["y"])},
