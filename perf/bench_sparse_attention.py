@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python perf/bench_sparse_attention.py [--model tiny-hybrid-deep] [--length 2048]
         [--tasks ...] [--samples 4] [--budget 256] [--fraction 0.1] [--index-fractions 0.5,0.2,0.1]
         [--index-lengths 2048,4096,8192,16384] [--scan-lengths 2048,4096,8192,16384] [--scan-rows 1,16]
-        [--scan-shape HQ,HKV,D]
+        [--scan-shapes model,16x2x256]
 
 In one run:
 1. Accuracy on the suite (``sglang_kvx.eval``'s sessions, seed 0) from two real servers on the same
@@ -17,8 +17,8 @@ In one run:
    ``--index-lengths`` tokens compacted by the policy at each of ``--index-fractions``, the blocks each
    layer's indexer scans for the full context and for its regrouped kept entries, against p * n / 4.
 3. Indexer scan time per decode step (the kernel layer's ``select_blocks``, torch reference on this
-   machine; a decode batch of each of ``--scan-rows`` rows, one query each, the model's head shape or
-   ``--scan-shape``, random keys): the full index of n / 4 blocks per row against the regrouped index
+   machine; a decode batch of each of ``--scan-rows`` rows, one query each, at the model's attention
+   shape and each other of ``--scan-shapes``, random keys): the full index of n / 4 blocks per row against the regrouped index
    of the kept fraction, at each of ``--scan-lengths``, median of ``--repeats``; and per row count a
    least-squares line seconds = fixed + per_block * blocks over all its points, which separates the
    per-call cost from the part that scales with the index. Prints one JSON object.
@@ -59,8 +59,12 @@ def index_sizes(url: str, context_ids: list[int], fractions: list[float], policy
             "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}}
         response = requests.post(url + "/generate", json=body, timeout=600)
         response.raise_for_status()
-        entry = [c for c in requests.get(url + "/kvx/stats", timeout=30).json()["compacted_contexts"]
-                 if c["keep_fraction"] == p and c["context_tokens"] == len(context_ids)][-1]
+        stats = requests.get(url + "/kvx/stats", timeout=30).json()
+        entries = [c for c in stats["compacted_contexts"] if c["keep_fraction"] == p and c["context_tokens"] == len(context_ids)]
+        if not entries:
+            raise RuntimeError(f"the {len(context_ids)}-token context was not compacted at p = {p:g} (see the server log; "
+                               f"last compaction error: {stats['last_compaction_error']})")
+        entry = entries[-1]
         regrouped = [-(-kept // BLOCK) for kept in entry["kept_entries"]]
         target = p * len(context_ids) / BLOCK
         sizes[f"{p:g}"] = {"context_tokens": len(context_ids), "full_context_blocks": -(-len(context_ids) // BLOCK),
@@ -130,9 +134,9 @@ def main() -> None:
                         help="context lengths for the index sizes (default: 2048,4096,8192,16384)")
     parser.add_argument("--scan-lengths", default="2048,4096,8192,16384", help="context lengths for the scan timing")
     parser.add_argument("--scan-rows", default="1,16", help="decode rows per timed scan (default: 1,16)")
-    parser.add_argument("--scan-shape", default="",
-                        help="HQ,HKV,D: time the scan at these attention heads and head size instead of the model's "
-                             "(e.g. 16,2,256 for Qwen3-Next)")
+    parser.add_argument("--scan-shapes", default="model,16x2x256",
+                        help="attention shapes the scan is timed at: 'model' (the model's own) and HQxHKVxD entries "
+                             "(default: model,16x2x256, Qwen3-Next's attention layers)")
     parser.add_argument("--repeats", type=int, default=20, help="timed scans per point (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default: 24)")
     args = parser.parse_args()
@@ -140,6 +144,16 @@ def main() -> None:
     path = Path(args.model) if args.model.startswith(("/", ".")) else weights_root() / args.model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tasks = [t for t in args.tasks.split(",") if t]
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    heads = text["num_attention_heads"]
+    own = (heads, text["num_key_value_heads"], text.get("head_dim") or text["hidden_size"] // heads)
+    shapes = {}
+    for name in [x for x in args.scan_shapes.split(",") if x]:
+        shape = own if name == "model" else tuple(int(x) for x in name.split("x") if x.isdigit())
+        if len(shape) != 3 or shape[0] % shape[1]:
+            parser.error(f"--scan-shapes entries are 'model' or HQxHKVxD with HQ a multiple of HKV, got {name!r}")
+        shapes[f"{shape[0]}x{shape[1]}x{shape[2]}"] = shape
     fractions = [float(f) for f in args.index_fractions.split(",") if f]
     index_lengths = [int(x) for x in args.index_lengths.split(",") if x]
     context_length = args.length + args.max_new_tokens + 128
@@ -150,7 +164,7 @@ def main() -> None:
         # The dense server also holds the longest index context (its compaction is the sparse one's).
         longest = max([context_length, *(n + 128 for n in index_lengths)]) if arm == "dense" else context_length
         with ServerProcess(path, *server_args, *extra, "--context-length", str(longest),
-                           max_total_tokens=max(8 * context_length, 2 * longest)) as server:
+                           max_total_tokens=max(8 * context_length, 4 * longest)) as server:
             rows = evaluate(server.url, tasks, args.length, args.samples, [args.policy], [args.fraction],
                             max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
             means = summarize(rows)
@@ -165,19 +179,13 @@ def main() -> None:
                                                                 fractions, args.policy)
     sparse = result["accuracy"]["sparse"]
     result["regrouped_minus_sparse_full"] = round(sparse[f"{args.policy}_p{args.fraction:g}"] - sparse["full_cache"], 2)
-    config = json.loads((path / "config.json").read_text())
-    text = config.get("text_config", config)
-    heads = text["num_attention_heads"]
-    shape = (heads, text["num_key_value_heads"], text.get("head_dim") or text["hidden_size"] // heads)
-    if args.scan_shape:
-        shape = tuple(int(x) for x in args.scan_shape.split(","))
-        if len(shape) != 3 or shape[0] % shape[1]:
-            parser.error("--scan-shape is HQ,HKV,D with HQ a multiple of HKV")
     scan_lengths = [int(x) for x in args.scan_lengths.split(",") if x]
-    result["scan_shape"] = {"heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2]}
+    scan_rows = [int(x) for x in args.scan_rows.split(",") if x]
+    result["model_shape"] = "{}x{}x{}".format(*own)
     result["scan_per_decode_step"] = {
-        f"rows{rows}": scan_table(scan_lengths, fractions, rows, shape, args.budget // BLOCK, args.repeats)
-        for rows in tqdm([int(x) for x in args.scan_rows.split(",") if x], desc="scan timing")}
+        name: {f"rows{rows}": scan_table(scan_lengths, fractions, rows, shape, args.budget // BLOCK, args.repeats)
+               for rows in scan_rows}
+        for name, shape in tqdm(shapes.items(), desc="scan timing")}
     print(json.dumps(result, indent=2))
 
 

@@ -133,13 +133,13 @@ def test_bench_head_decode_smoke():
 def test_bench_sparse_attention_smoke():
     result = run_bench("bench_sparse_attention.py", "--length", "512", "--samples", "1", "--tasks", "niah_single_1",
                        "--budget", "64", "--index-fractions", "0.5", "--index-lengths", "512,1024",
-                       "--scan-lengths", "1024,2048", "--scan-rows", "1,4", "--repeats", "2", "--max-new-tokens", "8")
+                       "--scan-lengths", "1024,2048", "--scan-rows", "1,4", "--scan-shapes", "model", "--repeats", "2", "--max-new-tokens", "8")
     has(result, "accuracy", "index_sizes", "scan_per_decode_step", "regrouped_minus_sparse_full")
     for n in ("512", "1024"):
         index = result["index_sizes"][n]["0.5"]
         assert int(n) >= index["context_tokens"] > int(n) // 2  # the prompt holds the question too
         assert index["full_context_blocks"] == -(-index["context_tokens"] // 4) > max(index["regrouped_blocks_per_layer"]) > 0
-    scans = result["scan_per_decode_step"]["rows4"]
+    scans = result["scan_per_decode_step"][result["model_shape"]]["rows4"]
     assert set(scans) == {"1024", "2048", "fit_over_blocks_scanned"} and scans["2048"]["p0.5"]["index_vs_full"] == 0.5
 
 
