@@ -55,12 +55,15 @@ def main() -> None:
     parser.add_argument("--thetas", default="0")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--head", default="", help="recall head folder (default: the one trained for the model)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="suite seed (default 0, the test split; a head's held-out seed, 3000001, compares "
+                             "training recipes without reading the test split)")
     args = parser.parse_args()
     ensure_demo_models()
     path = weights_root() / args.model if not args.model.startswith(("/", ".")) else args.model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tasks = [t for t in args.tasks.split(",") if t]
-    samples = [(task, generate_sample(task, args.length, seed=0, index=i, tokenizer=tokenizer))
+    samples = [(task, generate_sample(task, args.length, seed=args.seed, index=i, tokenizer=tokenizer))
                for task in tasks for i in range(args.samples)]
     span = {"sinks": args.sinks, "window": args.window}
     thetas = [float(t) for t in args.thetas.split(",") if t]
@@ -88,7 +91,8 @@ def main() -> None:
             rates[f"random@{theta:g}"] = [rate]  # its expected rate (draws per step; not reported per request)
     finally:
         server.stop()
-    result: dict = {"model": args.model, "length": args.length, "tasks": tasks, "samples_per_task": args.samples,
+    result: dict = {"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
+                    "samples_per_task": args.samples, "head": args.head or "the model's trained head",
                     "sinks": args.sinks, "window": args.window, "arms": {}}
     for name, values in scores.items():
         result["arms"][name] = {"score": round(100 * sum(values) / len(values), 2),
