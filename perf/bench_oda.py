@@ -1,9 +1,11 @@
 """On-Demand Attention's decode speed against Full attention, per context length (seed 003, Table 19's protocol).
 
     OMP_NUM_THREADS=1 python perf/bench_oda.py [--model tiny-llama] [--lengths 1024,4096,16384,32768]
-        [--new-tokens 64] [--window 128] [--head DIR]
+        [--new-tokens 64] [--window 128] [--head DIR] [--prompts random|TASK]
 
-One real server with decode steps on. Per context length, one prompt is prefilled once (the
+One real server with decode steps on. Per context length, one prompt (``--prompts random``: random
+token ids; or a task of the evaluation suite, e.g. ``niah_single_1``: its seed-0 sample of that
+length, context then question, the text a trained head saw in training) is prefilled once (the
 prefix cache then holds it: every arm below decodes from the same cached prompt) and decoded,
 single request, greedy, under:
   - ``full``: plain decoding (no decode step);
@@ -66,6 +68,17 @@ def decode_seconds_per_step(url: str, body: dict) -> tuple[float, dict]:
     return (stamps[-1] - stamps[0]) / max(1, counts[-1] - counts[0]), last
 
 
+def suite_prompt(model_path: Path, task: str, n: int) -> list[int]:
+    """The suite's seed-0 sample of ``task`` at ``n`` tokens, context then question, as token ids."""
+    from transformers import AutoTokenizer
+
+    from sglang_kvx.eval.tasks import generate_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    sample = generate_sample(task, n, seed=0, index=0, tokenizer=tokenizer)
+    return tokenizer.encode(sample.context + sample.question)
+
+
 def timed(url: str, body: dict) -> float:
     t0 = time.perf_counter()
     requests.post(url + "/generate", json=body, timeout=3600).raise_for_status()
@@ -121,7 +134,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--head", default="")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is kept)")
+    parser.add_argument("--prompts", default="random",
+                        help="random (token ids) or a suite task, e.g. niah_single_1 (its sample of each length)")
     args = parser.parse_args()
+    from sglang_kvx.eval.tasks import TASKS
+
+    if args.prompts != "random" and args.prompts not in TASKS:
+        parser.error(f"--prompts must be random or a suite task ({', '.join(TASKS)}), got {args.prompts!r}")
     ensure_demo_models()
     path = weights_root() / args.model
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -138,11 +157,11 @@ def main() -> None:
     arms = {"full": None, **{name: {"step": "span_schedule", **span, "full_every": every} for name, every in RATES.items()},
             "oda": {"step": "oda", **span}}
     result: dict = {"model": args.model, "new_tokens": args.new_tokens, "sinks": args.sinks, "window": args.window,
-                    "head": head_note, "lengths": {}}
+                    "head": head_note, "prompts": args.prompts, "lengths": {}}
     try:
         server.start()
         for n in tqdm(lengths, desc="context lengths"):
-            ids = prompt(n, n, cfg["vocab_size"])
+            ids = prompt(n, n, cfg["vocab_size"]) if args.prompts == "random" else suite_prompt(path, args.prompts, n)
             timed(server.url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})  # prefill once: cached
             row: dict = {}
             for name, decode in arms.items():

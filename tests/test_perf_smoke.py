@@ -82,16 +82,18 @@ def test_bench_scoring_cost_smoke():
 
 
 def test_bench_oda_smoke():
-    r = run_bench("bench_oda.py", "--lengths", "256", "--new-tokens", "4", "--repeats", "1")
+    r = run_bench("bench_oda.py", "--lengths", "256", "--new-tokens", "4", "--repeats", "1", "--prompts", "niah_single_1")
     has(r, "model", "head", "lengths", "crossover_length", "head_cost_fraction_of_local_step")
+    assert r["prompts"] == "niah_single_1"
     row = r["lengths"]["256"]
     has(row, "full", "local_first_0", "local_first_12.5", "local_first_50", "local_first_100", "oda")
     has(row["oda"], "per_step_s", "speedup_over_full", "flops_ratio_to_full", "full_rate")
 
 
 def test_bench_oda_quality_smoke():
-    r = run_bench("bench_oda_quality.py", "--samples", "1", "--length", "512", "--tasks", "niah_single_1")
+    r = run_bench("bench_oda_quality.py", "--samples", "1", "--length", "512", "--tasks", "niah_single_1", "--seed", "3")
     has(r, "model", "length", "tasks", "arms", "full_minus_local")
+    assert r["seed"] == 3
     has(r["arms"], "full", "local", "oda@0", "random@0")
     has(r["arms"]["oda@0"], "score", "full_rate", "gap_recovered")
 
