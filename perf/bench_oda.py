@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--head", default="")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is kept)")
+    parser.add_argument("--out", default="", help="also write the JSON object here, after every length")
     parser.add_argument("--prompts", default="random",
                         help="random (token ids) or a suite task, e.g. niah_single_1 (its sample of each length)")
     args = parser.parse_args()
@@ -150,8 +151,11 @@ def main() -> None:
     if not head_dir:
         head_dir = str(seeded_head(path, Path(tempfile.mkdtemp()) / "head", args.sinks, args.window))
     top = max(lengths) + args.new_tokens + 64
+    # A long prefill chunk of a real model runs for minutes on CPU: past SGLang's 300 s watchdog, which
+    # kills the scheduler (SmolLM2's fourth 8K chunk at 32K did).
     server = ServerProcess(path, "--kvx-decode-steps", "on", "--kvx-oda-head", head_dir, "--context-length", str(top),
-                           "--chunked-prefill-size", "8192", max_total_tokens=2 * top + 512,  # the cached prompt never evicted
+                           "--chunked-prefill-size", "8192", "--watchdog-timeout", "7200",
+                           max_total_tokens=2 * top + 512,  # the cached prompt never evicted
                            env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})
     span = {"sinks": args.sinks, "window": args.window}
     arms = {"full": None, **{name: {"step": "span_schedule", **span, "full_every": every} for name, every in RATES.items()},
@@ -192,6 +196,8 @@ def main() -> None:
                 row[name]["speedup_over_full"] = round(row["full"]["per_step_s"] / own, 4) if own > 0 else None
                 row[name]["flops_ratio_to_full"] = round(row[name]["flops_per_step"] / row["full"]["flops_per_step"], 4)
             result["lengths"][n] = row
+            if args.out:  # what each length measured survives a later failure
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     finally:
         server.stop()
     faster = [n for n in lengths if (result["lengths"][n]["local_first_0"]["speedup_over_full"] or 0) > 1.0]
@@ -202,6 +208,8 @@ def main() -> None:
     if "snapshot_restore_s" in costs:
         result["snapshot_cost_fraction_of_local_step"] = round(costs["snapshot_restore_s"] / local_step, 4)
     print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
