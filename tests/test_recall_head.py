@@ -136,6 +136,39 @@ def test_paired_supervision_of_one_document():
         assert torch.equal(data["prev"][i], doc["local_h"][i - 1] if g[i - 1] < 0 else doc["full_h"][i - 1])
 
 
+@pytest.mark.parametrize("name", ("tiny-llama", "tiny-hybrid-deep"))
+def test_a_routed_history_commits_what_the_oda_oracle_commits(name):
+    """Policy-round supervision: over the tokens ODA itself generated under a route, the labelled
+    history commits the branch the route picks at every routed step, as the HF ODA oracle does
+    (prefill Full, Local attempt, restore, Full): same schedule, same committed log-probabilities,
+    same previous hidden states, the committed branch's top token is the next one."""
+    from sglang_kvx.reference import oda
+    from sglang_kvx.reference.hf import HFReference
+
+    ref = HFReference(WEIGHTS / name)
+    prompt, prompt_len, _ = trh.reference_ids(ref, "niah_single_1", 512, trh.TRAIN_SEED, 1)
+    prompt = prompt[:prompt_len]
+    route = oda.every_kth(2)  # steps 2, 4, ... Full: both branches get committed, on a known schedule
+    want = oda.oda_generate(ref, prompt, 9, 4, 64, route, keep_hidden=True)
+    doc = trh.document_supervision(ref, prompt + want.tokens, prompt_len, sinks=4, window=64, question_tokens=6,
+                                   route=route)
+    routed = doc["position"] >= prompt_len
+    assert doc["history"] == "policy" and int(routed.sum()) == len(want.full_steps) == 8
+    assert doc["committed_full"][routed].tolist() == want.full_steps
+    assert bool(doc["committed_full"][~routed].all())  # the prompt is prefilled Full
+    full = doc["committed_full"][routed]
+    committed_lp = torch.where(full, doc["lp_full"][routed], doc["lp_local"][routed])
+    assert torch.allclose(committed_lp, torch.tensor(want.logprobs[1:]), atol=1e-5)
+    assert bool(torch.where(full, doc["top_full"][routed], doc["top_local"][routed]).all())
+    assert torch.allclose(doc["prev_h"][routed], torch.stack(want.hidden[:-1]), atol=1e-4)
+    data = trh.assemble([doc], lam=0.0, tau_hist=0.0)
+    assert torch.equal(data["prev"], doc["prev_h"][doc["eligible"]])  # assemble keeps the routed history
+    trunk = trh.document_supervision(ref, prompt + want.tokens, prompt_len, sinks=4, window=64, question_tokens=6)
+    assert trunk["history"] == "full" and bool(trunk["committed_full"].all())
+    # the histories part after the first Local commit (step 1): the next step's Full differs
+    assert not torch.allclose(trunk["lp_full"][routed][1:], doc["lp_full"][routed][1:])
+
+
 def test_a_greedy_reference_is_the_models_own_full_continuation():
     from sglang_kvx.reference.hf import HFReference
 

@@ -149,19 +149,27 @@ def _croppable(cache: Any) -> bool:
 
 
 @torch.no_grad()
-def paired_step(model: Any, cache: Any, token: int, seq_len: int, sinks: int,
-                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """Both counterfactuals of one step from the same pre-step (Full-history) ``cache``: Local,
-    then Full from the restored pre-step state, which is committed (the Full trunk goes on).
-    Returns (local_h, local_logits, full_h, full_logits, cache after the Full step)."""
+def paired_step(model: Any, cache: Any, token: int, seq_len: int, sinks: int, window: int,
+                keep_local: Callable[[torch.Tensor], bool] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """Both counterfactuals of one step from the same pre-step ``cache``: Local, then Full from
+    the restored pre-step state. Full is committed (the Full trunk goes on) unless
+    ``keep_local(local_h)`` returns True: then the Local branch is, as a route would have it.
+    Returns (local_h, local_logits, full_h, full_logits, cache after the committed step)."""
     if _croppable(cache):
         local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
         cache.crop(seq_len - 1)
-    else:
-        pre_step = copy.deepcopy(cache)
-        local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
-        cache = pre_step
+        full_h, full_logits = forward_step(model, cache, token, seq_len)
+        if keep_local is not None and keep_local(local_h):
+            cache.crop(seq_len - 1)
+            forward_step(model, cache, token, seq_len, sinks, window)  # Local's entry again: same ops, same values
+        return local_h, local_logits, full_h, full_logits, cache
+    pre_step = copy.deepcopy(cache)
+    local_h, local_logits = forward_step(model, cache, token, seq_len, sinks, window)
+    local_cache, cache = cache, pre_step
     full_h, full_logits = forward_step(model, cache, token, seq_len)
+    if keep_local is not None and keep_local(local_h):
+        cache = local_cache
     return local_h, local_logits, full_h, full_logits, cache
 
 

@@ -20,6 +20,11 @@ Reads top to bottom:
    final hidden state and the Local counterfactual's, the current token's embedding, the Local
    final hidden state) and both branches' log-probabilities of the reference next token. Cached per
    document under /tmp so reruns are cheap.
+   With ``--policy-rounds R`` (the seed's appendix C: a Full-trunk history is not the one deployment
+   follows; B.6 advances the head's own selected states under reference tokens): after training,
+   every document is labelled again with the same reference tokens, but from the first routed step
+   on the committed branch is the one the trained head picks at theta 0; the rows join the training
+   set and a fresh head trains on the union (DAgger-style aggregation), R times.
 3. Targets (eq. 4, 6, 7): g = log p_F(y) - log p_L(y), d = g - lambda, y = sign(d) log(1 + |d|).
    The previous-state input is the Local counterfactual's hidden where the previous step's gain
    was below tau_hist, the trunk's otherwise (eq. 14); the prefill's last hidden at the first step.
@@ -35,6 +40,7 @@ Reads top to bottom:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -92,19 +98,35 @@ def reference_ids(ref: HFReference, task: str, length: int, seed: int, index: in
 
 @torch.no_grad()
 def document_supervision(ref: HFReference, ids: list[int], prompt_len: int, sinks: int, window: int,
-                         question_tokens: int) -> dict[str, torch.Tensor]:
-    """Paired Local / Full one-token counterfactuals over the Full trunk for every teacher-forced
-    position of one document. Row i feeds ids[start + i] and is scored on ids[start + i + 1]."""
+                         question_tokens: int, route: oda.Route | None = None) -> dict[str, Any]:
+    """Paired Local / Full one-token counterfactuals for every teacher-forced position of one
+    document. Row i feeds ids[start + i] and is scored on ids[start + i + 1]. The history is the
+    Full trunk; with ``route``, from the first step the server routes (the prompt is prefilled
+    Full) it is the branch ``route`` picks after the Local attempt, and ``prev_h`` records each
+    row's previous committed hidden state (the head's deployment input)."""
     start = max(1, prompt_len - question_tokens)
     cache, trunk_h, _ = oda.prefill(ref, ids[:start])
-    prefill_h = trunk_h
+    prefill_h = prev_h = trunk_h
     rows: dict[str, list] = {k: [] for k in ("emb", "local_h", "full_h", "lp_local", "lp_full", "ent_local",
-                                             "top_local", "top_full", "in_answer", "position")}
+                                             "top_local", "top_full", "in_answer", "position", "prev_h",
+                                             "committed_full")}
     for pos in range(start, len(ids) - 1):
         token, target, seq_len = ids[pos], ids[pos + 1], pos + 1
-        local_h, local_logits, full_h, full_logits, cache = oda.paired_step(ref, cache, token, seq_len, sinks, window)
+        emb = oda.embed(ref, token)
+        decision = {"full": True}
+
+        def keep_local(local_h: torch.Tensor) -> bool:  # the route's choice, from the Local attempt
+            decision["full"] = bool(route(pos - prompt_len + 1, prev_h, emb, local_h))
+            return not decision["full"]
+
+        routed = route is not None and pos >= prompt_len and seq_len > sinks + window
+        local_h, local_logits, full_h, full_logits, cache = oda.paired_step(
+            ref, cache, token, seq_len, sinks, window, keep_local if routed else None)
         lp_l, lp_f = F.log_softmax(local_logits, -1), F.log_softmax(full_logits, -1)
-        rows["emb"].append(oda.embed(ref, token))
+        rows["prev_h"].append(prev_h)
+        rows["committed_full"].append(torch.tensor(decision["full"]))
+        prev_h = full_h if decision["full"] else local_h
+        rows["emb"].append(emb)
         rows["local_h"].append(local_h)
         rows["full_h"].append(full_h)
         rows["lp_local"].append(lp_l[target])
@@ -114,17 +136,26 @@ def document_supervision(ref: HFReference, ids: list[int], prompt_len: int, sink
         rows["top_full"].append(torch.tensor(int(lp_f.argmax()) == target))
         rows["in_answer"].append(torch.tensor(pos >= prompt_len - 1))  # this step predicts an answer token
         rows["position"].append(torch.tensor(pos))
-    out = {k: torch.stack(v) for k, v in rows.items()}
+    out: dict[str, Any] = {k: torch.stack(v) for k, v in rows.items()}
     out["prefill_h"] = prefill_h
     out["eligible"] = out["position"] + 1 > sinks + window  # Local and Full read different keys
+    out["history"] = "full" if route is None else "policy"
+    out["ids"], out["prompt_len"] = ids, prompt_len  # the reference, for later policy rounds
     return out
 
 
 def build_split(ref: HFReference, model_name: str, tasks: list[str], docs: int, seed: int, length: int,
                 sinks: int, window: int, question_tokens: int, desc: str, reference: str = "gold",
-                reference_tokens: int = 32) -> list[dict[str, Any]]:
-    """``docs`` documents round-robin over ``tasks`` at ``seed``, each cached in /tmp."""
+                reference_tokens: int = 32, route: oda.Route | None = None, route_tag: str = "",
+                base: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``docs`` documents round-robin over ``tasks`` at ``seed``, each cached in /tmp. With
+    ``route`` (named by ``route_tag`` in the cache), the history follows it and the reference
+    tokens are those of ``base``, the same documents' Full-trunk supervision."""
     kind = "" if reference == "gold" else f"_greedy{reference_tokens}"
+    if route is not None:
+        if not route_tag or base is None or len(base) != docs:
+            raise ValueError("a routed history needs route_tag and the same documents' Full-trunk supervision")
+        kind += f"_policy-{route_tag}"
     folder = CACHE_ROOT / f"{model_name}_L{length}_s{sinks}_w{window}_q{question_tokens}{kind}"
     folder.mkdir(parents=True, exist_ok=True)
     out = []
@@ -134,8 +165,11 @@ def build_split(ref: HFReference, model_name: str, tasks: list[str], docs: int, 
         if path.exists():
             out.append(torch.load(path))
             continue
-        ids, prompt_len, info = reference_ids(ref, task, length, seed, index, reference, reference_tokens)
-        doc = document_supervision(ref, ids, prompt_len, sinks, window, question_tokens)
+        if base is not None and "ids" in base[k]:
+            ids, prompt_len, info = base[k]["ids"], base[k]["prompt_len"], base[k]["info"]
+        else:
+            ids, prompt_len, info = reference_ids(ref, task, length, seed, index, reference, reference_tokens)
+        doc = document_supervision(ref, ids, prompt_len, sinks, window, question_tokens, route)
         doc["info"] = info
         torch.save(doc, path)
         out.append(doc)
@@ -149,9 +183,12 @@ def assemble(docs: list[dict[str, Any]], lam: float, tau_hist: float) -> dict[st
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("prev", "emb", "local", "y", "g", "ent", "top_local", "top_full", "in_answer")}
     for doc in docs:
         g = doc["lp_full"] - doc["lp_local"]  # eq. 4
-        # eq. 14: the previous step's selected training state, shifted; the prefill's hidden first
-        chosen = torch.where((g < tau_hist)[:, None], doc["local_h"], doc["full_h"])
-        prev = torch.cat([doc["prefill_h"][None], chosen[:-1]])
+        if doc.get("history") == "policy":
+            prev = doc["prev_h"]  # what the route committed: deployment's input
+        else:
+            # eq. 14: the previous step's selected training state, shifted; the prefill's hidden first
+            chosen = torch.where((g < tau_hist)[:, None], doc["local_h"], doc["full_h"])
+            prev = torch.cat([doc["prefill_h"][None], chosen[:-1]])
         keep = doc["eligible"]
         cols["prev"].append(prev[keep])
         cols["emb"].append(doc["emb"][keep])
@@ -183,6 +220,15 @@ def auc(score: torch.Tensor, positive: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------- 4. training
+
+def head_digest(head: RecallHead) -> str:
+    """A short digest of the head's weights: names a policy round's supervision cache."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().numpy().tobytes())
+    return digest.hexdigest()[:12]
+
 
 def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
                seed: int, progress: bool = True) -> tuple[RecallHead, list[float]]:
@@ -316,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tau-hist", type=float, default=0.0,
                    help="gain below which the labels' history takes the Local hidden state, else the Full one "
                         "(eq. 14; default: %(default)s)")
+    p.add_argument("--policy-rounds", type=int, default=0,
+                   help="rounds that label every document again over the history the trained head itself routes "
+                        "(theta 0), add those rows and train a fresh head on the union; 0: the Full trunk only, "
+                        "as in A.3 (default: %(default)s)")
     p.add_argument("--width", type=int, default=None, help="head width (default: hidden size / 2)")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
@@ -353,9 +403,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{float((train['g'] > 0).float().mean()):.3f} of train; supervision {supervision_s:.0f}s", file=sys.stderr)
 
     head, losses = train_head(train, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr, args.seed)
+    rounds = []
+    for r in range(args.policy_rounds):
+        route, tag = oda.head_route(head, 0.0), f"r{r}-{head_digest(head)}"
+        labelled = [build_split(ref, name, tasks, len(docs), seed, args.length, args.sinks, args.window,
+                                args.question_tokens, f"policy round {r + 1} ({split})", args.reference,
+                                args.reference_tokens, route=route, route_tag=tag, base=docs)
+                    for docs, seed, split in ((train_docs, TRAIN_SEED, "train"), (dev_docs, DEV_SEED, "held-out"))]
+        policy_train, policy_dev = (assemble(d, args.lam, args.tau_hist) for d in labelled)
+        before = held_out(head, policy_dev)  # the head that routed these rows, on its own history
+        train = {k: torch.cat([train[k], policy_train[k]]) for k in train}
+        head, losses = train_head(train, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr,
+                                  args.seed)
+        rounds.append({"routing_head": tag, "full_rate_of_routed_rows": float(torch.cat(
+                           [d["committed_full"][(d["position"] >= d["prompt_len"]) & d["eligible"]] for d in labelled[0]]).float().mean()),
+                       "positions_added": len(policy_train["y"]), "held_out_policy_history_before": before,
+                       "held_out_policy_history_after": held_out(head, policy_dev)})
+        print(json.dumps(rounds[-1], indent=1), file=sys.stderr)
     metrics = {"train_loss_first_50": sum(losses[:50]) / len(losses[:50]),
                "train_loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
-               "train": held_out(head, train), "held_out": held_out(head, dev)}
+               "train": held_out(head, train), "held_out": held_out(head, dev), "policy_rounds": rounds}
     print(json.dumps(metrics["held_out"], indent=1), file=sys.stderr)
 
     manifest: dict[str, Any] = {
@@ -371,8 +438,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"the model's own Full greedy continuation (up to {args.reference_tokens} tokens, to EOS)")
                            + f" as the reference continuation; teacher-forced over the last {args.question_tokens} "
                            "prompt tokens and the reference with the Full cache; Local and Full one-token "
-                           "counterfactuals per step",
+                           "counterfactuals per step"
+                           + (f"; then {args.policy_rounds} round(s) labelling the same documents over the history "
+                              "the trained head routes (theta 0), added to the training set" if args.policy_rounds else ""),
             "reference": args.reference,
+            "policy_rounds": args.policy_rounds,
             "tasks": tasks, "length": args.length,
             "split": {"train": {"seed": TRAIN_SEED, "documents": args.train_docs, "positions": len(train["y"])},
                       "held_out": {"seed": DEV_SEED, "documents": args.dev_docs, "positions": len(dev["y"])},
