@@ -122,12 +122,10 @@ def has_per_layer_lengths(backend) -> bool:
 
 class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend)):
     """SGLang's torch-native attention with per-layer lengths: the CPU default, registered as
-    ``kvx_torch_native``. Its extend computes the new tokens' queries only where they are under
-    half the row. SGLang's runs causal attention for every position of the row, prefix included,
-    and drops the prefix's rows, so a radix-cache hit costs a whole-row attention on CPU (one new
-    token after a cached 32K prompt took 12 minutes in ``perf/bench_oda.py``). Where the new
-    tokens are half the row or more, SGLang's causal pass (which skips the masked half) is the
-    cheaper one and runs as it is."""
+    ``kvx_torch_native``. Its extend computes the new tokens' queries only. SGLang's runs causal
+    attention for every position of the row, prefix included, and drops the prefix's rows, so a
+    radix-cache hit or a later prefill chunk costs a whole-row attention on CPU (one new token
+    after a cached 32K prompt took 12 minutes in ``perf/bench_oda.py``)."""
 
     __slots__ = ()
     EXTEND_QUERY_BLOCK = 1024  # queries per masked SDPA call: bounds the [block, keys] mask
@@ -140,16 +138,8 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend))
                 query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
                 extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
         start_q = 0
-        for i, (row, seq_len, prefix_len, q_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(),
-                                                                 extend_prefix_lens.tolist(), extend_seq_lens.tolist())):
-            if 2 * q_len >= seq_len:  # a causal pass over the row costs seq_len^2 / 2, under q_len * seq_len
-                one = slice(i, i + 1)
-                super()._run_sdpa_forward_extend(
-                    query[start_q:start_q + q_len], output[start_q:start_q + q_len], k_cache, v_cache, req_to_token,
-                    req_pool_indices[one], seq_lens[one], extend_prefix_lens[one], extend_seq_lens[one],
-                    scaling=scaling, enable_gqa=enable_gqa, causal=causal)
-                start_q += q_len
-                continue
+        for row, seq_len, prefix_len, q_len in zip(req_pool_indices.tolist(), seq_lens.tolist(),
+                                                  extend_prefix_lens.tolist(), extend_seq_lens.tolist()):
             slots = req_to_token[row, :seq_len]
             keys = k_cache[slots].movedim(0, -2).unsqueeze(0)  # [1, Hkv, seq_len, D]
             values = v_cache[slots].movedim(0, -2).unsqueeze(0)
