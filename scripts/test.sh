@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (real SGLang servers on loopback; a few minutes on 2 cores).
+# Set up, then run the whole test suite (real SGLang servers on loopback; over an hour on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
