@@ -83,8 +83,8 @@ def test_cpu_float32_estimators_equal_the_pre_gpu_trainers(tmp_path, demo_paths)
         for split in ("train", "heldout"):
             for i, doc in enumerate(docs[split]):
                 assert doc["labels"].dtype == torch.float32 and doc["features"].device.type == "cpu"
-                # The golden labels were written on another CPU: float32 reductions differ with its SIMD
-                # width, and each label is a difference of attention outputs over its head's maximum, so
+                # The golden labels were written on our machine; CI's CPU rounds float32 reductions with
+                # another SIMD width, and each label is a difference of attention outputs over its head's maximum, so
                 # rounding reaches ~2e-4 there (measured on CI). A real labelling change moves them by far more.
                 torch.testing.assert_close(doc["labels"], golden_labels[f"{split}{i}.labels"], rtol=1e-3, atol=2e-4)
                 torch.testing.assert_close(doc["features"].double().sum(dim=1).float(),

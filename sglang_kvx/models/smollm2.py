@@ -65,7 +65,7 @@ def convert_smollm2(out_dir: str | Path | None = None, force: bool = False) -> P
     if is_converted(out) and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Processes converting at once (parallel test workers) take turns; a later one finds the checkpoint.
+    # Processes converting at once (a test run beside a user's command) take turns; a later one finds the checkpoint.
     with open(out.with_name(out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if is_converted(out) and not force:
