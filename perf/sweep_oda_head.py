@@ -1,0 +1,83 @@
+"""Recall-head recipe sweep: train head variants on the cached paired supervision of
+``sglang_kvx.training.train_recall_head`` (--reference greedy --reference-tokens 32) and score each
+closed loop with the HF oracle (``sglang_kvx.reference.oda.oda_generate``, which the server matches
+token for token) on a suite split, at several thetas. One JSON line per (variant, theta).
+
+    OMP_NUM_THREADS=1 python perf/sweep_oda_head.py '{"model": "weights/tiny-hybrid-deep",
+        "eval_tasks": "niah_single_1,niah_single_2,niah_single_3,niah_multiquery,niah_multivalue,vt",
+        "samples": 8, "eval_seed": 3000001, "out": "/tmp/sweep.jsonl", "length": 2048, "q": 16,
+        "train_docs": 780, "dev_docs": 78, "hidden": 128, "new_tokens": 24,
+        "variants": [[64, 0.3, 1500, 0], [64, 0.1, 1500, 0]], "thetas": [-0.1, 0.0, 0.1]}'
+
+variants: [width, lambda, steps, seed]. Choose recipes on the held-out seed (3000001), never on the test
+seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
+"""
+import json, sys, time, random, itertools
+import torch
+from tqdm import tqdm
+from sglang_kvx.training import train_recall_head as T
+from sglang_kvx.reference import oda
+from sglang_kvx.reference.hf import HFReference
+from sglang_kvx.eval.scoring import METRICS, postprocess
+from sglang_kvx.eval.tasks import generate_sample, TASKS
+
+torch.set_num_threads(1)
+CFG = json.loads(sys.argv[1])
+MODEL = CFG["model"]
+NAME = MODEL.rstrip("/").split("/")[-1]
+EVAL_TASKS = CFG["eval_tasks"].split(",")
+SAMPLES = CFG["samples"]
+EVAL_SEED = CFG.get("eval_seed", T.DEV_SEED)
+OUT = CFG["out"]
+L, Q, TRAIN, DEV, HID, NEW = CFG["length"], CFG["q"], CFG["train_docs"], CFG["dev_docs"], CFG["hidden"], CFG["new_tokens"]
+ref = HFReference(MODEL)
+for p in ref.model.parameters():
+    p.requires_grad_(False)
+tasks = list(TASKS)
+t0 = time.time()
+train_docs = T.build_split(ref, NAME, tasks, TRAIN, T.TRAIN_SEED, L, 4, 128, Q, "train", "greedy", 32)
+dev_docs = T.build_split(ref, NAME, tasks, DEV, T.DEV_SEED, L, 4, 128, Q, "dev", "greedy", 32)
+print("supervision", time.time() - t0, file=sys.stderr)
+
+prompts = []
+for task in EVAL_TASKS:
+    for i in range(SAMPLES):
+        s = generate_sample(task, L, seed=EVAL_SEED, index=i, tokenizer=ref.tokenizer)
+        prompts.append((task, s, ref.encode(s.context + s.question)))
+
+
+def run(route):
+    scores, rates = [], []
+    for task, s, ids in prompts:
+        r = oda.oda_generate(ref, ids, NEW, 4, 128, route)
+        text = ref.tokenizer.decode(r.tokens, skip_special_tokens=True)
+        scores.append(METRICS[task](postprocess(text), s.answers))
+        rates.append(r.full_rate)
+    return 100 * sum(scores) / len(scores), sum(rates) / len(rates), scores
+
+
+t0 = time.time()
+full = run(oda.always_full)
+local = run(oda.always_local)
+print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
+
+
+def variants():
+    for width, lam, steps, seed in CFG["variants"]:
+        yield dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0)
+
+
+for v in variants():
+    train = T.assemble(train_docs, v["lam"], v["tau"])
+    dev = T.assemble(dev_docs, v["lam"], v["tau"])
+    head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False)
+    ho = T.held_out(head, dev)
+    for theta in CFG["thetas"]:
+        t0 = time.time()
+        sc, rate, per = run(oda.head_route(head, theta))
+        gap = (sc - local[0]) / (full[0] - local[0])
+        rec = dict(v, theta=theta, score=sc, rate=round(rate, 4), gap=round(gap, 4), auc=round(ho["auc_gain_positive"], 4),
+                   full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, secs=round(time.time() - t0), top1_routed=round(ho["top1_routed"], 4), ho_rate=round(ho["full_rate_at_theta"], 4))
+        print(json.dumps(rec), flush=True)
+        with open(OUT, "a") as f:
+            f.write(json.dumps(rec) + "\n")
