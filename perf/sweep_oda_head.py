@@ -12,9 +12,12 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
 variants: [width, lambda, steps, seed]. Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 """
-import json, sys, time, random, itertools
+import json
+import sys
+import time
+
 import torch
-from tqdm import tqdm
+
 from sglang_kvx.training import train_recall_head as T
 from sglang_kvx.reference import oda
 from sglang_kvx.reference.hf import HFReference
@@ -30,13 +33,14 @@ SAMPLES = CFG["samples"]
 EVAL_SEED = CFG.get("eval_seed", T.DEV_SEED)
 OUT = CFG["out"]
 L, Q, TRAIN, DEV, HID, NEW = CFG["length"], CFG["q"], CFG["train_docs"], CFG["dev_docs"], CFG["hidden"], CFG["new_tokens"]
+SINKS, WINDOW = 4, 128  # the installed heads' span; the supervision cache is keyed on it
 ref = HFReference(MODEL)
 for p in ref.model.parameters():
     p.requires_grad_(False)
 tasks = list(TASKS)
 t0 = time.time()
-train_docs = T.build_split(ref, NAME, tasks, TRAIN, T.TRAIN_SEED, L, 4, 128, Q, "train", "greedy", 32)
-dev_docs = T.build_split(ref, NAME, tasks, DEV, T.DEV_SEED, L, 4, 128, Q, "dev", "greedy", 32)
+train_docs = T.build_split(ref, NAME, tasks, TRAIN, T.TRAIN_SEED, L, SINKS, WINDOW, Q, "train", "greedy", 32)
+dev_docs = T.build_split(ref, NAME, tasks, DEV, T.DEV_SEED, L, SINKS, WINDOW, Q, "dev", "greedy", 32)
 print("supervision", time.time() - t0, file=sys.stderr)
 
 prompts = []
@@ -49,7 +53,7 @@ for task in EVAL_TASKS:
 def run(route):
     scores, rates = [], []
     for task, s, ids in prompts:
-        r = oda.oda_generate(ref, ids, NEW, 4, 128, route)
+        r = oda.oda_generate(ref, ids, NEW, SINKS, WINDOW, route)
         text = ref.tokenizer.decode(r.tokens, skip_special_tokens=True)
         scores.append(METRICS[task](postprocess(text), s.answers))
         rates.append(r.full_rate)
@@ -62,22 +66,19 @@ local = run(oda.always_local)
 print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
 
 
-def variants():
-    for width, lam, steps, seed in CFG["variants"]:
-        yield dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0)
-
-
-for v in variants():
+for width, lam, steps, seed in CFG["variants"]:
+    v = dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0)
     train = T.assemble(train_docs, v["lam"], v["tau"])
     dev = T.assemble(dev_docs, v["lam"], v["tau"])
     head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False)
     ho = T.held_out(head, dev)
     for theta in CFG["thetas"]:
         t0 = time.time()
-        sc, rate, per = run(oda.head_route(head, theta))
+        sc, rate, _ = run(oda.head_route(head, theta))
         gap = (sc - local[0]) / (full[0] - local[0])
         rec = dict(v, theta=theta, score=sc, rate=round(rate, 4), gap=round(gap, 4), auc=round(ho["auc_gain_positive"], 4),
-                   full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, secs=round(time.time() - t0), top1_routed=round(ho["top1_routed"], 4), ho_rate=round(ho["full_rate_at_theta"], 4))
+                   full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, secs=round(time.time() - t0),
+                   top1_routed=round(ho["top1_routed"], 4), ho_rate=round(ho["full_rate_at_theta"], 4))
         print(json.dumps(rec), flush=True)
         with open(OUT, "a") as f:
             f.write(json.dumps(rec) + "\n")
