@@ -9,7 +9,7 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
         "train_docs": 780, "dev_docs": 78, "hidden": 128, "new_tokens": 24,
         "variants": [[64, 0.3, 1500, 0], [64, 0.1, 1500, 0]], "thetas": [-0.1, 0.0, 0.1]}'
 
-variants: [width, lambda, steps, seed]. Choose recipes on the held-out seed (3000001), never on the test
+variants: [width, lambda, steps, seed] or [width, lambda, steps, seed, policy rounds]. Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 """
 import json
@@ -66,11 +66,17 @@ local = run(oda.always_local)
 print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
 
 
-for width, lam, steps, seed in CFG["variants"]:
-    v = dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0)
+for width, lam, steps, seed, *rounds in CFG["variants"]:
+    v = dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0, rounds=rounds[0] if rounds else 0)
     train = T.assemble(train_docs, v["lam"], v["tau"])
     dev = T.assemble(dev_docs, v["lam"], v["tau"])
     head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False)
+    for r in range(v["rounds"]):  # as train_recall_head --policy-rounds
+        routed, _ = T.policy_round(ref, NAME, tasks, head, f"r{r}-{T.head_digest(head)}", train_docs, dev_docs,
+                                   L, SINKS, WINDOW, Q, "greedy", 32)
+        routed = T.assemble(routed, v["lam"], v["tau"])
+        train = {k: torch.cat([train[k], routed[k]]) for k in train}
+        head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False)
     ho = T.held_out(head, dev)
     for theta in CFG["thetas"]:
         t0 = time.time()

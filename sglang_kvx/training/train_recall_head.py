@@ -176,6 +176,20 @@ def build_split(ref: HFReference, model_name: str, tasks: list[str], docs: int, 
     return out
 
 
+def policy_round(ref: HFReference, model_name: str, tasks: list[str], head: RecallHead, tag: str,
+                 train_docs: list[dict[str, Any]], dev_docs: list[dict[str, Any]], length: int, sinks: int,
+                 window: int, question_tokens: int, reference: str, reference_tokens: int,
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both splits labelled again over the history ``head`` routes at theta 0 (appendix C), same
+    reference tokens; cached under ``tag``."""
+    route = oda.head_route(head, 0.0)
+    train, dev = (build_split(ref, model_name, tasks, len(docs), seed, length, sinks, window, question_tokens,
+                              f"policy round {tag} ({split})", reference, reference_tokens, route=route,
+                              route_tag=tag, base=docs)
+                  for docs, seed, split in ((train_docs, TRAIN_SEED, "train"), (dev_docs, DEV_SEED, "held-out")))
+    return train, dev
+
+
 # ------------------------------------------------------------------- 3. targets and head inputs
 
 def assemble(docs: list[dict[str, Any]], lam: float, tau_hist: float) -> dict[str, torch.Tensor]:
@@ -405,11 +419,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     head, losses = train_head(train, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr, args.seed)
     rounds = []
     for r in range(args.policy_rounds):
-        route, tag = oda.head_route(head, 0.0), f"r{r}-{head_digest(head)}"
-        labelled = [build_split(ref, name, tasks, len(docs), seed, args.length, args.sinks, args.window,
-                                args.question_tokens, f"policy round {r + 1} ({split})", args.reference,
-                                args.reference_tokens, route=route, route_tag=tag, base=docs)
-                    for docs, seed, split in ((train_docs, TRAIN_SEED, "train"), (dev_docs, DEV_SEED, "held-out"))]
+        tag = f"r{r}-{head_digest(head)}"
+        labelled = policy_round(ref, name, tasks, head, tag, train_docs, dev_docs, args.length, args.sinks,
+                                args.window, args.question_tokens, args.reference, args.reference_tokens)
         policy_train, policy_dev = (assemble(d, args.lam, args.tau_hist) for d in labelled)
         before = held_out(head, policy_dev)  # the head that routed these rows, on its own history
         train = {k: torch.cat([train[k], policy_train[k]]) for k in train}
