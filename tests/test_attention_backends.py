@@ -58,6 +58,32 @@ def test_the_mixin_keeps_the_backend_and_its_class() -> None:
         KvxTorchNativeAttnBackend.__new__(KvxTorchNativeAttnBackend))
 
 
+@pytest.mark.parametrize("gqa", (1, 3))
+def test_our_extend_equals_sglangs_whole_row_extend_on_new_queries_only(gqa: int) -> None:
+    """Rows with no prefix, a cached prefix and one new token, more new tokens than a query block
+    (under half the row: our path), and new tokens over half the row (SGLang's causal pass, on
+    that row alone), in one batch over a shuffled paged pool: the same outputs as SGLang's
+    torch-native extend (which attends from every position of each row), for torch_native as
+    the plugin switches it and for ours."""
+    g = torch.Generator().manual_seed(gqa)
+    hq, dim = 6, 16
+    pool, slots_per_row = 8192, 2048
+    k_cache, v_cache = (torch.randn(pool, hq // gqa, dim, generator=g) for _ in range(2))
+    req_to_token = torch.randperm(pool, generator=g)[: 4 * slots_per_row].view(4, slots_per_row).to(torch.int32)
+    prefix, extend = torch.tensor([0, 700, 900, 129]), torch.tensor([37, 1, 600, 890])
+    rows = torch.tensor([2, 0, 3, 1])
+    query = torch.randn(int(extend.sum()), hq, dim, generator=g)
+    args = (k_cache, v_cache, req_to_token, rows, prefix + extend, prefix, extend)
+    options = {"scaling": 0.3, "enable_gqa": gqa > 1, "causal": True}
+    want = TorchNativeAttnBackend._run_sdpa_forward_extend(
+        object.__new__(TorchNativeAttnBackend), query, torch.empty_like(query), *args, **options)
+    backend = with_per_layer_lengths(object.__new__(TorchNativeAttnBackend))
+    assert type(backend) is KvxTorchNativeAttnBackend
+    backend.EXTEND_QUERY_BLOCK = 256  # three blocks in the third row
+    got = backend._run_sdpa_forward_extend(query, torch.empty_like(query), *args, **options)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
 @pytest.mark.slow
 def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, references) -> None:
     name = "tiny-hybrid-deep"

@@ -155,3 +155,11 @@ def test_bench_allocation_smoke():
     assert abs(sum(gate) - sum(flat)) <= 1 and abs(sum(floor) - sum(flat)) <= 1 and flat[0] == flat[1]
     assert all(min(g, f) - 1 <= h <= max(g, f) + 1 for g, h, f in zip(gate, floor, flat))
     assert len(rows[("flat", 0.05)]["needle_value_entries_kept_per_layer"]) == 2
+
+
+def test_bench_cpu_extend_smoke():
+    result = run_bench("bench_cpu_extend.py", "--cases", "300+1,100+200")
+    has(result, "shape", "cases")
+    for row in result["cases"].values():
+        has(row, "sglang_torch_native_s", "kvx_torch_native_s", "speedup", "max_abs_diff")
+        assert row["max_abs_diff"] < 1e-5

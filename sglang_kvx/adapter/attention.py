@@ -120,8 +120,55 @@ def has_per_layer_lengths(backend) -> bool:
     return bool(inner) and all(has_per_layer_lengths(b) for b in inner)
 
 
-# SGLang's torch-native attention with per-layer lengths: the CPU default, registered as ``kvx_torch_native``.
-KvxTorchNativeAttnBackend = per_layer_lengths_class(TorchNativeAttnBackend)
+class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend)):
+    """SGLang's torch-native attention with per-layer lengths: the CPU default, registered as
+    ``kvx_torch_native``. Its extend computes the new tokens' queries only where they are under
+    half the row. SGLang's runs causal attention for every position of the row, prefix included,
+    and drops the prefix's rows, so a radix-cache hit costs a whole-row attention on CPU (one new
+    token after a cached 32K prompt took 12 minutes in ``perf/bench_oda.py``). Where the new
+    tokens are half the row or more, SGLang's causal pass (which skips the masked half) is the
+    cheaper one and runs as it is."""
+
+    __slots__ = ()
+    EXTEND_QUERY_BLOCK = 1024  # queries per masked SDPA call: bounds the [block, keys] mask
+
+    def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                                 extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
+                                 enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
+        if not causal or encoder_lens is not None or (sliding_window_size is not None and sliding_window_size > -1):
+            return super()._run_sdpa_forward_extend(  # cross-attention and sliding windows: SGLang's own
+                query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_prefix_lens,
+                extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
+        start_q = 0
+        for i, (row, seq_len, prefix_len, q_len) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(),
+                                                                 extend_prefix_lens.tolist(), extend_seq_lens.tolist())):
+            if 2 * q_len >= seq_len:  # a causal pass over the row costs seq_len^2 / 2, under q_len * seq_len
+                one = slice(i, i + 1)
+                super()._run_sdpa_forward_extend(
+                    query[start_q:start_q + q_len], output[start_q:start_q + q_len], k_cache, v_cache, req_to_token,
+                    req_pool_indices[one], seq_lens[one], extend_prefix_lens[one], extend_seq_lens[one],
+                    scaling=scaling, enable_gqa=enable_gqa, causal=causal)
+                start_q += q_len
+                continue
+            slots = req_to_token[row, :seq_len]
+            keys = k_cache[slots].movedim(0, -2).unsqueeze(0)  # [1, Hkv, seq_len, D]
+            values = v_cache[slots].movedim(0, -2).unsqueeze(0)
+            queries = query[start_q:start_q + q_len].movedim(0, -2).unsqueeze(0)  # [1, Hq, q_len, D]
+            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+            for q0 in range(0, q_len, self.EXTEND_QUERY_BLOCK):
+                q1 = min(q_len, q0 + self.EXTEND_QUERY_BLOCK)
+                end = prefix_len + q1  # keys past the block's last query are never visible
+                visible = (torch.arange(end, device=query.device)[None, :]
+                           <= torch.arange(prefix_len + q0, end, device=query.device)[:, None])
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    queries[:, :, q0:q1], keys[:, :, :end], values[:, :, :end], attn_mask=visible,
+                    scale=scaling, enable_gqa=enable_gqa)
+                output[start_q + q0:start_q + q1] = out.squeeze(0).movedim(-2, 0)
+            start_q += q_len
+        return output
+
+
+_SUBCLASSES[TorchNativeAttnBackend] = KvxTorchNativeAttnBackend  # what with_per_layer_lengths gives torch_native
 
 
 def _check_plain_layer(layer, kwargs, what: str) -> None:
