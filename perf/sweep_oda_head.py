@@ -21,8 +21,6 @@ import torch
 from sglang_kvx.training import train_recall_head as T
 from sglang_kvx.reference import oda
 from sglang_kvx.reference.hf import HFReference
-from sglang_kvx.eval.scoring import METRICS, postprocess
-from sglang_kvx.eval.tasks import generate_sample, TASKS
 
 torch.set_num_threads(1)
 CFG = json.loads(sys.argv[1])
@@ -37,26 +35,18 @@ SINKS, WINDOW = 4, 128  # the installed heads' span; the supervision cache is ke
 ref = HFReference(MODEL)
 for p in ref.model.parameters():
     p.requires_grad_(False)
-tasks = list(TASKS)
+tasks = list(T.TASKS)
 t0 = time.time()
 train_docs = T.build_split(ref, NAME, tasks, TRAIN, T.TRAIN_SEED, L, SINKS, WINDOW, Q, "train", "greedy", 32)
 dev_docs = T.build_split(ref, NAME, tasks, DEV, T.DEV_SEED, L, SINKS, WINDOW, Q, "dev", "greedy", 32)
 print("supervision", time.time() - t0, file=sys.stderr)
 
-prompts = []
-for task in EVAL_TASKS:
-    for i in range(SAMPLES):
-        s = generate_sample(task, L, seed=EVAL_SEED, index=i, tokenizer=ref.tokenizer)
-        prompts.append((task, s, ref.encode(s.context + s.question)))
+prompts = T.suite_prompts(ref, EVAL_TASKS, SAMPLES, L, EVAL_SEED)
 
 
 def run(route):
-    scores, rates = [], []
-    for task, s, ids in prompts:
-        r = oda.oda_generate(ref, ids, NEW, SINKS, WINDOW, route)
-        text = ref.tokenizer.decode(r.tokens, skip_special_tokens=True)
-        scores.append(METRICS[task](postprocess(text), s.answers))
-        rates.append(r.full_rate)
+    scores, schedules = T.generate_arm(ref, prompts, route, NEW, SINKS, WINDOW)
+    rates = [sum(s) / len(s) if s else 0.0 for _, s in schedules]
     return 100 * sum(scores) / len(scores), sum(rates) / len(rates), scores
 
 

@@ -310,39 +310,56 @@ def load_heldout(path: str | Path) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------- 6. generation on the suite
 
+def suite_prompts(ref: HFReference, tasks: list[str], samples: int, length: int,
+                  seed: int) -> list[tuple[str, list[str], list[int]]]:
+    """(task, answers, prompt ids) of ``samples`` suite contexts per task at ``seed``."""
+    out = []
+    for task in tasks:
+        for index in range(samples):
+            sample = generate_sample(task, length, seed=seed, index=index, tokenizer=ref.tokenizer)
+            out.append((task, list(sample.answers), ref.encode(sample.prompt)))
+    return out
+
+
 @torch.no_grad()
+def generate_arm(ref: HFReference, prompts: list[tuple[str, list[str], list[int]]], route: oda.Route | list[oda.Route],
+                 max_new_tokens: int, sinks: int, window: int, desc: str | None = None,
+                 ) -> tuple[list[float], list[tuple[int, list[bool]]]]:
+    """Greedy generation of every prompt under ``route`` (or one route per prompt): its RULER score
+    and its schedule (prompt length, Full flag per routed step)."""
+    scores, schedules = [], []
+    for k, (task, answers, ids) in enumerate(tqdm(prompts, desc=desc, unit="ctx", disable=desc is None)):
+        result = oda.oda_generate(ref, ids, max_new_tokens, sinks, window, route[k] if isinstance(route, list) else route)
+        text = ref.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        scores.append(METRICS[task](postprocess(text), answers))
+        schedules.append((len(ids), result.full_steps))
+    return scores, schedules
+
+
 def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samples: int, length: int, sinks: int,
                window: int, max_new_tokens: int, seed: int = TEST_SEED) -> dict[str, Any]:
     """RULER scores x 100 per task for Full, Local, ODA (head, theta 0) and random routing at ODA's
     realised rate (per sample), plus the FLOPs ledger of ODA's and random's schedules."""
-    arms = ["full", "local"] + (["oda", "random"] if head is not None else [])
-    scores: dict[str, dict[str, list[float]]] = {a: {t: [] for t in tasks} for a in arms}
-    schedules: dict[str, list[tuple[int, list[bool]]]] = {a: [] for a in arms}
-    rng = random.Random(seed)
-    work = [(t, i) for t in tasks for i in range(samples)]
-    for task, index in tqdm(work, desc="suite", unit="ctx"):
-        sample = generate_sample(task, length, seed=seed, index=index, tokenizer=ref.tokenizer)
-        prompt = ref.encode(sample.prompt)
-        routes: dict[str, oda.Route] = {"full": oda.always_full, "local": oda.always_local}
-        if head is not None:
-            routes["oda"] = oda.head_route(head, 0.0)
-        for arm in arms:
-            if arm == "random":
-                rate = sum(schedules["oda"][-1][1]) / max(1, len(schedules["oda"][-1][1]))
-                routes["random"] = lambda step, p, e, l, rate=rate: rng.random() < rate
-            result = oda.oda_generate(ref, prompt, max_new_tokens, sinks, window, routes[arm])
-            text = ref.tokenizer.decode(result.tokens, skip_special_tokens=True)
-            scores[arm][task].append(METRICS[task](postprocess(text), sample.answers))
-            schedules[arm].append((len(prompt), result.full_steps))
+    prompts = suite_prompts(ref, tasks, samples, length, seed)
+    arms: dict[str, tuple[list[float], list[tuple[int, list[bool]]]]] = {}
+    for arm, route in (("full", oda.always_full), ("local", oda.always_local)) + (
+            (("oda", oda.head_route(head, 0.0)),) if head is not None else ()):
+        arms[arm] = generate_arm(ref, prompts, route, max_new_tokens, sinks, window, desc=f"suite ({arm})")
+    if head is not None:
+        rng = random.Random(seed)
+        rates = [sum(s) / max(1, len(s)) for _, s in arms["oda"][1]]  # chance routing at each sample's ODA rate
+        routes = [lambda step, p, e, l, rate=rate: rng.random() < rate for rate in rates]
+        arms["random"] = generate_arm(ref, prompts, routes, max_new_tokens, sinks, window, desc="suite (random)")
     cfg = load_model_config(ref.model_path)
     out: dict[str, Any] = {"seed": seed, "samples_per_task": samples, "length": length, "max_new_tokens": max_new_tokens}
-    for arm in arms:
-        per_task = {t: round(100 * sum(v) / len(v), 2) for t, v in scores[arm].items()}
-        steps = [a for _, s in schedules[arm] for a in s]
+    for arm, (scores, schedules) in arms.items():
+        per_task = {t: round(100 * sum(v for (task, _, _), v in zip(prompts, scores) if task == t) / samples, 2)
+                    for t in tasks}
+        steps = [a for _, s in schedules for a in s]
         entry = {"per_task": per_task, "mean": round(sum(per_task.values()) / len(per_task), 2),
                  "full_rate": round(sum(steps) / max(1, len(steps)), 4)}
         if arm in ("oda", "random"):
-            ledgers = [oda_flops(cfg, n, s, sinks=sinks, window=window, head_flops=head.flops()) for n, s in schedules[arm]]
+            ledgers = [oda_flops(cfg, n, s, sinks=sinks, window=window, head_flops=head.flops()) for n, s in schedules]
             entry["flops_saved_fraction"] = round(1 - sum(x["oda_flops"] for x in ledgers) / sum(x["full_flops"] for x in ledgers), 4)
         out[arm] = entry
     if head is not None:
