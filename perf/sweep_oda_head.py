@@ -9,6 +9,8 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
         "train_docs": 780, "dev_docs": 78, "hidden": 128, "new_tokens": 24,
         "variants": [[64, 0.3, 1500, 0], [64, 0.1, 1500, 0]], "thetas": [-0.1, 0.0, 0.1]}'
 
+"window" (default 128, the installed heads' w; sinks stay 4) selects another span.
+
 variants: [width, lambda, steps, seed] or [width, lambda, steps, seed, policy rounds]. Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 """
@@ -31,7 +33,7 @@ SAMPLES = CFG["samples"]
 EVAL_SEED = CFG.get("eval_seed", T.DEV_SEED)
 OUT = CFG["out"]
 L, Q, TRAIN, DEV, HID, NEW = CFG["length"], CFG["q"], CFG["train_docs"], CFG["dev_docs"], CFG["hidden"], CFG["new_tokens"]
-SINKS, WINDOW = 4, 128  # the installed heads' span; the supervision cache is keyed on it
+SINKS, WINDOW = 4, CFG.get("window", 128)  # the installed heads' span by default; the supervision cache is keyed on it
 ref = HFReference(MODEL)
 for p in ref.model.parameters():
     p.requires_grad_(False)
@@ -73,7 +75,7 @@ for width, lam, steps, seed, *rounds in CFG["variants"]:
         sc, rate, _ = run(oda.head_route(head, theta))
         gap = (sc - local[0]) / (full[0] - local[0])
         rec = dict(v, theta=theta, score=sc, rate=round(rate, 4), gap=round(gap, 4), auc=round(ho["auc_gain_positive"], 4),
-                   full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, secs=round(time.time() - t0),
+                   full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, new_tokens=NEW, window=WINDOW, secs=round(time.time() - t0),
                    top1_routed=round(ho["top1_routed"], 4), ho_rate=round(ho["full_rate_at_theta"], 4))
         print(json.dumps(rec), flush=True)
         with open(OUT, "a") as f:
