@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--head", default="")
+    parser.add_argument("--theta", type=float, default=0.0, help="the head's threshold (default: the paper's 0)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is kept)")
     parser.add_argument("--out", default="", help="also write the JSON object here, after every length")
     parser.add_argument("--prompts", default="random",
@@ -159,9 +160,9 @@ def main() -> None:
                            env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})
     span = {"sinks": args.sinks, "window": args.window}
     arms = {"full": None, **{name: {"step": "span_schedule", **span, "full_every": every} for name, every in RATES.items()},
-            "oda": {"step": "oda", **span}}
+            "oda": {"step": "oda", **span, "theta": args.theta}}
     result: dict = {"model": args.model, "new_tokens": args.new_tokens, "sinks": args.sinks, "window": args.window,
-                    "head": head_note, "prompts": args.prompts, "lengths": {}}
+                    "head": head_note, "theta": args.theta, "prompts": args.prompts, "lengths": {}}
     try:
         server.start()
         for n in tqdm(lengths, desc="context lengths"):
