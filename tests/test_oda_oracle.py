@@ -37,6 +37,19 @@ def test_always_full_is_plain_greedy(refs, name):
     assert result.full_steps == [True] * (NEW - 1)  # N outputs, N - 1 routed steps
 
 
+def test_stop_token_ends_like_a_server_at_eos(refs):
+    """With a stop token the oracle ends right after emitting it, as a server stops at EOS, and
+    routes no step past it (the closed-loop Full rates are counted over these steps)."""
+    ref = refs["tiny-llama"]
+    ids = prompt(ref)
+    whole = oda.oda_generate(ref, ids, NEW, SINKS, WINDOW, oda.every_kth(2))
+    stop = whole.tokens[5]
+    end = whole.tokens.index(stop) + 1
+    cut = oda.oda_generate(ref, ids, NEW, SINKS, WINDOW, oda.every_kth(2), stop_token=stop)
+    assert cut.tokens == whole.tokens[:end] and cut.logprobs == whole.logprobs[:end]
+    assert cut.full_steps == whole.full_steps[:end - 1]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_always_local_is_the_span_oracle(refs, name):
     ref = refs[name]

@@ -85,9 +85,10 @@ def embed(model: Any, token: int) -> torch.Tensor:
 
 @torch.no_grad()
 def oda_generate(model: HFReference | Any, input_ids: list[int], max_new_tokens: int, sinks: int, window: int,
-                 route: Route, keep_hidden: bool = False) -> ODAResult:
-    """Greedy ODA decoding (no EOS stop). ``model``: an HFReference or an HF causal LM.
-    ``route(step, prev_h, emb, local_h) -> bool`` (True: re-run the step with Full)."""
+                 route: Route, keep_hidden: bool = False, stop_token: int | None = None) -> ODAResult:
+    """Greedy ODA decoding. ``model``: an HFReference or an HF causal LM.
+    ``route(step, prev_h, emb, local_h) -> bool`` (True: re-run the step with Full). Stops after
+    ``stop_token`` (the EOS a server stops at) when given, else after ``max_new_tokens``."""
     cache, prev_h, logits = prefill(model, input_ids)
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -97,7 +98,7 @@ def oda_generate(model: HFReference | Any, input_ids: list[int], max_new_tokens:
         token = int(logits.argmax())
         tokens.append(token)
         logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
-        if len(tokens) == max_new_tokens:
+        if len(tokens) == max_new_tokens or token == stop_token:
             break
         step, seq_len = len(tokens), len(input_ids) + len(tokens)
         pre_step = copy.deepcopy(cache)  # KV and GDN / conv states before this step

@@ -325,11 +325,13 @@ def suite_prompts(ref: HFReference, tasks: list[str], samples: int, length: int,
 def generate_arm(ref: HFReference, prompts: list[tuple[str, list[str], list[int]]], route: oda.Route | list[oda.Route],
                  max_new_tokens: int, sinks: int, window: int, desc: str | None = None,
                  ) -> tuple[list[float], list[tuple[int, list[bool]]]]:
-    """Greedy generation of every prompt under ``route`` (or one route per prompt): its RULER score
-    and its schedule (prompt length, Full flag per routed step)."""
+    """Greedy generation of every prompt under ``route`` (or one route per prompt), stopping at EOS
+    as the server does (steps past it would count in the Full rate): its RULER score and its schedule
+    (prompt length, Full flag per routed step)."""
     scores, schedules = [], []
     for k, (task, answers, ids) in enumerate(tqdm(prompts, desc=desc, unit="ctx", disable=desc is None)):
-        result = oda.oda_generate(ref, ids, max_new_tokens, sinks, window, route[k] if isinstance(route, list) else route)
+        result = oda.oda_generate(ref, ids, max_new_tokens, sinks, window, route[k] if isinstance(route, list) else route,
+                                  stop_token=ref.tokenizer.eos_token_id)
         text = ref.tokenizer.decode(result.tokens, skip_special_tokens=True)
         scores.append(METRICS[task](postprocess(text), answers))
         schedules.append((len(ids), result.full_steps))
