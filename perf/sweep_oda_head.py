@@ -13,7 +13,10 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
 
 variants: [width, lambda, steps, seed] or [width, lambda, steps, seed, policy rounds]. Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
+The Full and Local arms are cached there too, keyed on the model, the prompts' token ids and the
+decoding settings, so a second sweep on the same split only runs the heads.
 """
+import hashlib
 import json
 import sys
 import time
@@ -52,9 +55,19 @@ def run(route):
     return 100 * sum(scores) / len(scores), sum(rates) / len(rates), scores
 
 
+def fixed_arms():
+    """Full and Local on the split: deterministic for these prompts and settings, so cached."""
+    key = hashlib.sha256(json.dumps([NAME, prompts, NEW, SINKS, WINDOW, "stop at EOS"]).encode()).hexdigest()[:16]
+    path = T.CACHE_ROOT / f"{NAME}_arms_{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    arms = [list(run(oda.always_full)), list(run(oda.always_local))]
+    path.write_text(json.dumps(arms))
+    return arms
+
+
 t0 = time.time()
-full = run(oda.always_full)
-local = run(oda.always_local)
+full, local = fixed_arms()
 print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
 
 
