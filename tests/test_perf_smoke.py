@@ -163,3 +163,15 @@ def test_bench_cpu_extend_smoke():
     for row in result["cases"].values():
         has(row, "sglang_torch_native_s", "kvx_torch_native_s", "speedup", "max_abs_diff")
         assert row["max_abs_diff"] < 1e-5
+
+
+def test_oda_local_guard_smoke():
+    r = run_bench("oda_local_guard.py", "--model", "weights/tiny-hybrid-deep", "--tasks", "niah_single_1",
+                  "--samples", "1", "--length", "512", "--new-tokens", "8", "--arms", "full,local,head,guard:1.01",
+                  "--lost-steps")
+    has(r, "arms", "lost_steps", "seed")
+    assert r["arms"]["full"]["full_rate"] == 1.0 and r["arms"]["local"]["full_rate"] == 0.0
+    # a guard above any probability sends every step Full: plain decoding
+    assert r["arms"]["guard:1.01"] == r["arms"]["full"]
+    for arm in r["arms"].values():
+        has(arm, "score", "full_rate", "gap_share")
