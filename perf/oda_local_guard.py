@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from sglang_kvx.decode.recall_head import RecallHead
-from sglang_kvx.eval.scoring import METRICS, postprocess
 from sglang_kvx.reference import oda
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.training import train_recall_head as T
@@ -75,23 +74,15 @@ def main() -> None:
             return full
         return route
 
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[T.SuiteAnswer]] = {}
+    traces: list[list[dict]] = [[] for _ in prompts]  # the head arm's per-step record, per prompt
     result: dict = {"model": Path(args.model).name, "seed": args.seed, "samples_per_task": args.samples,
                     "length": args.length, "sinks": args.sinks, "window": args.window, "arms": {}}
     for arm in args.arms.split(","):
-        rows = []
-        for task, answers, ids in prompts:
-            trace: list[dict] = []
-            out = oda.oda_generate(ref, ids, args.new_tokens, args.sinks, args.window,
-                                   route_for(arm, trace if args.lost_steps and arm == "head" else None),
-                                   stop_token=ref.tokenizer.eos_token_id)  # as the server stops
-            text = ref.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            rows.append({"task": task, "score": METRICS[task](postprocess(text), answers), "tokens": out.tokens,
-                         "full_steps": out.full_steps, "trace": trace})
-        runs[arm] = rows
-        result["arms"][arm] = {"score": 100 * statistics.mean(r["score"] for r in rows),
-                               "full_rate": statistics.mean(  # 0 for an answer that is EOS at once, as the server reports
-                                   sum(r["full_steps"]) / len(r["full_steps"]) if r["full_steps"] else 0.0 for r in rows)}
+        routes = [route_for(arm, trace if args.lost_steps and arm == "head" else None) for trace in traces]
+        runs[arm] = T.generate_arm(ref, prompts, routes, args.new_tokens, args.sinks, args.window, desc=arm)
+        result["arms"][arm] = {"score": 100 * statistics.mean(a.score for a in runs[arm]),
+                               "full_rate": T.mean_full_rate(runs[arm])}
     if "full" in runs and "local" in runs:
         full, local = result["arms"]["full"]["score"], result["arms"]["local"]["score"]
         for row in result["arms"].values():
@@ -99,15 +90,16 @@ def main() -> None:
 
     if args.lost_steps:
         result["lost_steps"] = []
-        for k, (f, h) in enumerate(zip(runs["full"], runs["head"])):
-            if h["score"] >= f["score"]:
+        for k, (f, h, trace) in enumerate(zip(runs["full"], runs["head"], traces)):
+            if h.score >= f.score:
                 continue
-            d = next((i for i, (a, b) in enumerate(zip(f["tokens"], h["tokens"])) if a != b),
-                     min(len(f["tokens"]), len(h["tokens"])))  # or where the shorter one stopped
-            local_p = [t["local_top1"] for t in h["trace"] if not t["full"]]
+            f_tokens, h_tokens = f.result.tokens, h.result.tokens
+            d = next((i for i, (a, b) in enumerate(zip(f_tokens, h_tokens)) if a != b),
+                     min(len(f_tokens), len(h_tokens)))  # or where the shorter one stopped
+            local_p = [t["local_top1"] for t in trace if not t["full"]]
             result["lost_steps"].append({
-                "prompt": k, "task": h["task"], "full_score": f["score"], "head_score": h["score"],
-                "first_differing_token": d, "that_step": h["trace"][d - 1] if 1 <= d <= len(h["trace"]) else None,  # token d: step d
+                "prompt": k, "task": h.task, "full_score": f.score, "head_score": h.score,
+                "first_differing_token": d, "that_step": trace[d - 1] if 1 <= d <= len(trace) else None,  # token d: step d
                 "median_local_top1_on_local_steps": statistics.median(local_p) if local_p else None})
     print(json.dumps(result, indent=1))
 

@@ -50,9 +50,9 @@ prompts = T.suite_prompts(ref, EVAL_TASKS, SAMPLES, L, EVAL_SEED)
 
 
 def run(route):
-    scores, schedules = T.generate_arm(ref, prompts, route, NEW, SINKS, WINDOW)
-    rates = [sum(s) / len(s) if s else 0.0 for _, s in schedules]
-    return 100 * sum(scores) / len(scores), sum(rates) / len(rates), scores
+    answers = T.generate_arm(ref, prompts, route, NEW, SINKS, WINDOW)
+    scores = [a.score for a in answers]
+    return 100 * sum(scores) / len(scores), T.mean_full_rate(answers), scores
 
 
 def fixed_arms():

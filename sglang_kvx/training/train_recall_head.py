@@ -46,6 +46,7 @@ import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,21 +322,37 @@ def suite_prompts(ref: HFReference, tasks: list[str], samples: int, length: int,
     return out
 
 
+@dataclass
+class SuiteAnswer:
+    """One prompt's closed-loop generation under a route: its RULER score and the oracle's result."""
+    task: str
+    prompt_len: int
+    score: float
+    result: oda.ODAResult
+
+    @property
+    def schedule(self) -> tuple[int, list[bool]]:
+        """(prompt length, Full flag per routed step): what the FLOPs ledger reads."""
+        return self.prompt_len, self.result.full_steps
+
+
+def mean_full_rate(answers: list[SuiteAnswer]) -> float:
+    """The mean of per-prompt Full rates; an answer that is EOS at once counts 0, as the server reports it."""
+    return sum(a.result.full_rate for a in answers) / len(answers)
+
+
 @torch.no_grad()
 def generate_arm(ref: HFReference, prompts: list[tuple[str, list[str], list[int]]], route: oda.Route | list[oda.Route],
-                 max_new_tokens: int, sinks: int, window: int, desc: str | None = None,
-                 ) -> tuple[list[float], list[tuple[int, list[bool]]]]:
+                 max_new_tokens: int, sinks: int, window: int, desc: str | None = None) -> list[SuiteAnswer]:
     """Greedy generation of every prompt under ``route`` (or one route per prompt), stopping at EOS
-    as the server does (steps past it would count in the Full rate): its RULER score and its schedule
-    (prompt length, Full flag per routed step)."""
-    scores, schedules = [], []
-    for k, (task, answers, ids) in enumerate(tqdm(prompts, desc=desc, unit="ctx", disable=desc is None)):
+    as the server does (steps past it would count in the Full rate), each scored with RULER's metric."""
+    answers = []
+    for k, (task, gold, ids) in enumerate(tqdm(prompts, desc=desc, unit="ctx", disable=desc is None)):
         result = oda.oda_generate(ref, ids, max_new_tokens, sinks, window, route[k] if isinstance(route, list) else route,
                                   stop_token=ref.tokenizer.eos_token_id)
         text = ref.tokenizer.decode(result.tokens, skip_special_tokens=True)
-        scores.append(METRICS[task](postprocess(text), answers))
-        schedules.append((len(ids), result.full_steps))
-    return scores, schedules
+        answers.append(SuiteAnswer(task, len(ids), METRICS[task](postprocess(text), gold), result))
+    return answers
 
 
 def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samples: int, length: int, sinks: int,
@@ -343,25 +360,24 @@ def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samp
     """RULER scores x 100 per task for Full, Local, ODA (head, theta 0) and random routing at ODA's
     realised rate (per sample), plus the FLOPs ledger of ODA's and random's schedules."""
     prompts = suite_prompts(ref, tasks, samples, length, seed)
-    arms: dict[str, tuple[list[float], list[tuple[int, list[bool]]]]] = {}
+    arms: dict[str, list[SuiteAnswer]] = {}
     for arm, route in (("full", oda.always_full), ("local", oda.always_local)) + (
             (("oda", oda.head_route(head, 0.0)),) if head is not None else ()):
         arms[arm] = generate_arm(ref, prompts, route, max_new_tokens, sinks, window, desc=f"suite ({arm})")
     if head is not None:
         rng = random.Random(seed)
-        rates = [sum(s) / max(1, len(s)) for _, s in arms["oda"][1]]  # chance routing at each sample's ODA rate
+        rates = [a.result.full_rate for a in arms["oda"]]  # chance routing at each sample's ODA rate
         routes = [lambda step, p, e, l, rate=rate: rng.random() < rate for rate in rates]
         arms["random"] = generate_arm(ref, prompts, routes, max_new_tokens, sinks, window, desc="suite (random)")
     cfg = load_model_config(ref.model_path)
     out: dict[str, Any] = {"seed": seed, "samples_per_task": samples, "length": length, "max_new_tokens": max_new_tokens}
-    for arm, (scores, schedules) in arms.items():
-        per_task = {t: round(100 * sum(v for (task, _, _), v in zip(prompts, scores) if task == t) / samples, 2)
-                    for t in tasks}
-        steps = [a for _, s in schedules for a in s]
+    for arm, answers in arms.items():
+        per_task = {t: round(100 * sum(a.score for a in answers if a.task == t) / samples, 2) for t in tasks}
+        steps = [full for a in answers for full in a.result.full_steps]
         entry = {"per_task": per_task, "mean": round(sum(per_task.values()) / len(per_task), 2),
                  "full_rate": round(sum(steps) / max(1, len(steps)), 4)}
         if arm in ("oda", "random"):
-            ledgers = [oda_flops(cfg, n, s, sinks=sinks, window=window, head_flops=head.flops()) for n, s in schedules]
+            ledgers = [oda_flops(cfg, *a.schedule, sinks=sinks, window=window, head_flops=head.flops()) for a in answers]
             entry["flops_saved_fraction"] = round(1 - sum(x["oda_flops"] for x in ledgers) / sum(x["full_flops"] for x in ledgers), 4)
         out[arm] = entry
     if head is not None:
