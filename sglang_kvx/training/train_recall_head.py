@@ -246,11 +246,11 @@ def head_digest(head: RecallHead) -> str:
 
 
 def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
-               seed: int, progress: bool = True) -> tuple[RecallHead, list[float]]:
+               seed: int, progress: bool = True, weight_decay: float = 0.0) -> tuple[RecallHead, list[float]]:
     """Huber(1) regression of head(prev, emb, local) on y; AdamW, warm-up then cosine, clip 1."""
     torch.manual_seed(seed)
     head = RecallHead(hidden, width)
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     n = len(data["y"])
     warmup = max(1, steps // 20)
     losses = []
