@@ -11,7 +11,8 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
 
 "window" (default 128, the installed heads' w; sinks stay 4) selects another span.
 
-variants: [width, lambda, steps, seed], optionally followed by policy rounds and AdamW weight decay. Choose recipes on the held-out seed (3000001), never on the test
+variants: [width, lambda, steps, seed], optionally followed by policy rounds, AdamW weight decay and a list of update counts whose
+checkpoints are averaged (the seed's uniform merge). Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 The Full and Local arms are cached there too, keyed on the model, the prompts' token ids and the
 decoding settings, so a second sweep on the same split only runs the heads.
@@ -73,16 +74,18 @@ print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
 
 for width, lam, steps, seed, *more in CFG["variants"]:
     v = dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0, rounds=more[0] if more else 0,
-             wd=more[1] if len(more) > 1 else 0.0)
+             wd=more[1] if len(more) > 1 else 0.0, merge=more[2] if len(more) > 2 else [])
     train = T.assemble(train_docs, v["lam"], v["tau"])
     dev = T.assemble(dev_docs, v["lam"], v["tau"])
-    head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"])
+    head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"],
+                           merge_at=tuple(v["merge"]))
     for r in range(v["rounds"]):  # as train_recall_head --policy-rounds
         routed, _ = T.policy_round(ref, NAME, tasks, head, f"r{r}-{T.head_digest(head)}", train_docs, dev_docs,
                                    L, SINKS, WINDOW, Q, "greedy", 32)
         routed = T.assemble(routed, v["lam"], v["tau"])
         train = {k: torch.cat([train[k], routed[k]]) for k in train}
-        head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"])
+        head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"],
+                           merge_at=tuple(v["merge"]))
     ho = T.held_out(head, dev)
     for theta in CFG["thetas"]:
         t0 = time.time()

@@ -111,6 +111,22 @@ def test_a_short_training_run_lowers_the_loss():
     assert trh.auc(head(held["prev"], held["emb"], held["local"]).detach(), held["g"] > 0) > 0.8
 
 
+def test_a_uniform_merge_averages_the_named_checkpoints():
+    data = synthetic(512, 32, 0)
+
+    def train(merge_at: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        head, _ = trh.train_head(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=0, progress=False, merge_at=merge_at)
+        return head.state_dict()
+
+    last, at_10, at_20 = train(()), train((10,)), train((20,))
+    assert all(torch.equal(a, b) for a, b in zip(last.values(), train((30,)).values()))
+    assert not all(torch.equal(a, b) for a, b in zip(last.values(), at_10.values()))
+    for name, tensor in train((10, 20)).items():  # each checkpoint from its own seeded run of the same schedule
+        torch.testing.assert_close(tensor, (at_10[name] + at_20[name]) / 2)
+    with pytest.raises(ValueError, match="merge_at"):
+        trh.train_head(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=0, progress=False, merge_at=(31,))
+
+
 def test_auc():
     score = torch.tensor([0.1, 0.4, 0.35, 0.8])
     assert trh.auc(score, torch.tensor([False, False, True, True])) == 0.75

@@ -246,8 +246,14 @@ def head_digest(head: RecallHead) -> str:
 
 
 def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
-               seed: int, progress: bool = True, weight_decay: float = 0.0) -> tuple[RecallHead, list[float]]:
-    """Huber(1) regression of head(prev, emb, local) on y; AdamW, warm-up then cosine, clip 1."""
+               seed: int, progress: bool = True, weight_decay: float = 0.0,
+               merge_at: tuple[int, ...] = ()) -> tuple[RecallHead, list[float]]:
+    """Huber(1) regression of head(prev, emb, local) on y; AdamW, warm-up then cosine, clip 1.
+    ``merge_at``: return the uniform average of the parameters after these update counts (the
+    seed's "uniform merge" of one run's checkpoints, B.4) instead of the last ones."""
+    if any(not 1 <= k <= steps for k in merge_at):
+        raise ValueError(f"merge_at {merge_at} must lie in 1..{steps}")
+    merged: dict[str, torch.Tensor] = {}
     torch.manual_seed(seed)
     head = RecallHead(hidden, width)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
@@ -268,8 +274,13 @@ def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, st
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
+        if step + 1 in merge_at:
+            for name, tensor in head.state_dict().items():
+                merged[name] = merged.get(name, 0) + tensor.detach() / len(merge_at)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.4f}")
+    if merge_at:
+        head.load_state_dict(merged)
     return head.eval(), losses
 
 
