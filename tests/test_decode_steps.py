@@ -21,8 +21,8 @@ def decode(step: str, **options) -> dict:
     return {"custom_params": {"kvx": {"decode": {"step": step, **options}}}}
 
 
-def run(server, prompt, max_new_tokens, **sampling) -> dict:
-    response = server.generate({"input_ids": prompt, "return_logprob": True,
+def run(server, prompt, max_new_tokens, top_logprobs_num: int = 0, **sampling) -> dict:
+    response = server.generate({"input_ids": prompt, "return_logprob": True, "top_logprobs_num": top_logprobs_num,
                                 "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens, **sampling}}, timeout=1800)
     assert response.status_code == 200, response.text
     return response.json()
@@ -38,12 +38,19 @@ def test_streaming_decode_generates_16k_tokens_in_a_2k_pool_like_the_oracle(demo
     try:
         ref = references["tiny-llama"]
         prompt = ref.encode(text(30, seed=51))
-        body = run(server, prompt, new_tokens, **decode("streamingllm", sinks=sinks, window=window))
+        body = run(server, prompt, new_tokens, top_logprobs_num=2, **decode("streamingllm", sinks=sinks, window=window))
         expected, expected_lp = ref.streaming_generate(prompt, new_tokens, sinks, window, progress=True)
-        served_lp = [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
-        assert len(body["output_ids"]) == new_tokens
-        assert body["output_ids"] == expected
-        assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-3
+        served, served_lp = body["output_ids"], [entry[0] for entry in body["meta_info"]["output_token_logprobs"]]
+        assert len(served) == new_tokens
+        # Token for token, except that over 16K greedy steps another CPU's float rounding may flip a
+        # near-tie (one did at step 15,877 on one machine): the two outputs may part only at a step
+        # where the server's own top two are the two tokens and lie within 2e-3 of each other.
+        parted = next((i for i, (a, b) in enumerate(zip(served, expected)) if a != b), new_tokens)
+        if parted < new_tokens:
+            top2 = {entry[1]: entry[0] for entry in body["meta_info"]["output_top_logprobs"][parted]}
+            assert expected[parted] in top2 and top2[served[parted]] - top2[expected[parted]] <= 2e-3, (parted, top2)
+        assert parted >= new_tokens // 2, parted  # a tie that early would be a bug, not rounding
+        assert max(abs(a - b) for a, b in zip(served_lp[:parted], expected_lp[:parted])) <= 1e-3
         stats = wait_idle(server, pool)
         # Every slot came back; the freed ones were freed while the request ran (2K could not hold 16K).
         assert stats["kv_pool_free_tokens"] + stats["kv_pool_evictable_tokens"] == pool, stats
