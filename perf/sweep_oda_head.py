@@ -77,15 +77,18 @@ for width, lam, steps, seed, *more in CFG["variants"]:
              wd=more[1] if len(more) > 1 else 0.0, merge=more[2] if len(more) > 2 else [])
     train = T.assemble(train_docs, v["lam"], v["tau"])
     dev = T.assemble(dev_docs, v["lam"], v["tau"])
-    head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"],
-                           merge_at=tuple(v["merge"]))
+
+    def fit(rows, v=v):
+        return T.train_head(rows, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False,
+                            weight_decay=v["wd"], merge_at=tuple(v["merge"]))[0]
+
+    head = fit(train)
     for r in range(v["rounds"]):  # as train_recall_head --policy-rounds
         routed, _ = T.policy_round(ref, NAME, tasks, head, f"r{r}-{T.head_digest(head)}", train_docs, dev_docs,
                                    L, SINKS, WINDOW, Q, "greedy", 32)
         routed = T.assemble(routed, v["lam"], v["tau"])
         train = {k: torch.cat([train[k], routed[k]]) for k in train}
-        head, _ = T.train_head(train, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], progress=False, weight_decay=v["wd"],
-                           merge_at=tuple(v["merge"]))
+        head = fit(train)
     ho = T.held_out(head, dev)
     for theta in CFG["thetas"]:
         t0 = time.time()
