@@ -215,3 +215,21 @@ def test_trained_head_loads_and_ranks_held_out_steps(name, capsys):
     with capsys.disabled():
         print(f"\n{name}: held-out AUC of score vs gain > 0 = {value:.3f} over {len(score)} positions")
     assert value > 0.5
+
+
+def test_the_trainers_suite_check_reports_each_arms_per_prompt_full_rate():
+    """``--eval-samples``: the ODA arm's Full rate is the mean of per-prompt rates, as the server
+    reports it; here against the HF ODA oracle run prompt by prompt under the same head."""
+    from sglang_kvx.reference import oda
+    from sglang_kvx.reference.hf import HFReference
+
+    ref = HFReference(WEIGHTS / "tiny-llama")
+    torch.manual_seed(0)
+    head = RecallHead(int(load_model_config(WEIGHTS / "tiny-llama")["hidden_size"]), 16)
+    out = trh.suite_eval(ref, head, ["niah_single_1"], 2, 512, sinks=4, window=64, max_new_tokens=6, seed=5)
+    rates = [oda.oda_generate(ref, ids, 6, 4, 64, oda.head_route(head, 0.0), stop_token=ref.tokenizer.eos_token_id).full_rate
+             for _, _, ids in trh.suite_prompts(ref, ["niah_single_1"], 2, 512, 5)]
+    assert out["oda"]["full_rate"] == round(sum(rates) / len(rates), 4)
+    assert 0 < out["oda"]["full_rate"] < 1  # the random head routes both ways
+    assert out["full"]["full_rate"] == 1.0 and out["local"]["full_rate"] == 0.0
+    assert out["oda"]["flops_saved_fraction"] is not None and "oda_recovers_of_full_local_gap" in out

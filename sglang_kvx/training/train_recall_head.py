@@ -369,7 +369,7 @@ def generate_arm(ref: HFReference, prompts: list[tuple[str, list[str], list[int]
 def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samples: int, length: int, sinks: int,
                window: int, max_new_tokens: int, seed: int = TEST_SEED) -> dict[str, Any]:
     """RULER scores x 100 per task for Full, Local, ODA (head, theta 0) and random routing at ODA's
-    realised rate (per sample), plus the FLOPs ledger of ODA's and random's schedules."""
+    realised rate (per sample), each arm's mean per-prompt Full rate, plus the FLOPs ledger of ODA's and random's schedules."""
     prompts = suite_prompts(ref, tasks, samples, length, seed)
     arms: dict[str, list[SuiteAnswer]] = {}
     for arm, route in (("full", oda.always_full), ("local", oda.always_local)) + (
@@ -384,9 +384,8 @@ def suite_eval(ref: HFReference, head: RecallHead | None, tasks: list[str], samp
     out: dict[str, Any] = {"seed": seed, "samples_per_task": samples, "length": length, "max_new_tokens": max_new_tokens}
     for arm, answers in arms.items():
         per_task = {t: round(100 * sum(a.score for a in answers if a.task == t) / samples, 2) for t in tasks}
-        steps = [full for a in answers for full in a.result.full_steps]
         entry = {"per_task": per_task, "mean": round(sum(per_task.values()) / len(per_task), 2),
-                 "full_rate": round(sum(steps) / max(1, len(steps)), 4)}
+                 "full_rate": round(mean_full_rate(answers), 4)}  # per prompt, as the server and the sweep report
         if arm in ("oda", "random"):
             ledgers = [oda_flops(cfg, *a.schedule, sinks=sinks, window=window, head_flops=head.flops()) for a in answers]
             entry["flops_saved_fraction"] = round(1 - sum(x["oda_flops"] for x in ledgers) / sum(x["full_flops"] for x in ledgers), 4)
