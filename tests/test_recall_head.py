@@ -127,6 +127,27 @@ def test_a_uniform_merge_averages_the_named_checkpoints():
         trh.train_head(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=0, progress=False, merge_at=(31,))
 
 
+def test_a_distilled_head_is_trained_on_its_teachers_mean_score():
+    data = synthetic(512, 32, 0)
+
+    def train(seed: int, rows: dict[str, torch.Tensor]) -> RecallHead:
+        return trh.train_head(rows, 32, 16, steps=30, batch=64, lr=3e-3, seed=seed, progress=False)[0]
+
+    head, _, teachers = trh.train_distilled(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=4, teachers=3, progress=False)
+    for teacher, seed in zip(teachers, (4, 5, 6), strict=True):  # the teachers: plain heads, consecutive seeds
+        assert all(torch.equal(a, b) for a, b in zip(teacher.state_dict().values(), train(seed, data).state_dict().values()))
+    with torch.no_grad():
+        mean = (sum(t(data["prev"], data["emb"], data["local"]) for t in teachers) / 3)
+    want = train(4, dict(data, y=mean))
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(tensor, want.state_dict()[name])
+    assert not torch.equal(head.out.weight, teachers[0].out.weight)  # not the first teacher itself
+    one, _, only = trh.train_distilled(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=4, teachers=1, progress=False)
+    assert only == [one] and torch.equal(one.out.weight, teachers[0].out.weight)
+    with pytest.raises(ValueError, match="teachers"):
+        trh.train_distilled(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=4, teachers=0, progress=False)
+
+
 def test_auc():
     score = torch.tensor([0.1, 0.4, 0.35, 0.8])
     assert trh.auc(score, torch.tensor([False, False, True, True])) == 0.75

@@ -29,6 +29,8 @@ Reads top to bottom:
    The previous-state input is the Local counterfactual's hidden where the previous step's gain
    was below tau_hist, the trunk's otherwise (eq. 14); the prefill's last hidden at the first step.
 4. Training: Huber(1) regression of the head's score on y (eq. 8, 15), AdamW, backbone frozen.
+   With ``--teachers K`` (ours, not the seed's): K heads trained on y from seeds --seed onward,
+   then the served head trained the same way on their mean score instead of y.
 5. Held-out: Huber loss and AUC of the score against g > 0 on DEV_SEED documents (no checkpoint
    is chosen on it); the Local entropy's AUC as a baseline.
 6. Optional (--eval-samples): greedy generation on the suite at TEST_SEED with Full, Local, ODA
@@ -284,6 +286,27 @@ def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, st
     return head.eval(), losses
 
 
+def train_distilled(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
+                    seed: int, teachers: int, progress: bool = True, weight_decay: float = 0.0,
+                    merge_at: tuple[int, ...] = ()) -> tuple[RecallHead, list[float], list[RecallHead]]:
+    """``teachers`` heads trained on y as above (seeds seed .. seed + teachers - 1), then the
+    served head (seed ``seed``, same recipe) trained on their mean score in place of y. Ours, not
+    the seed's: one head's routing moves by about 3 points of the gap with its training seed (the
+    README's recipe table); the seed-averaged target keeps one A.2 head, so serving is unchanged.
+    ``teachers=1``: plain ``train_head``. Returns (head, its losses, the teachers)."""
+    if teachers < 1:
+        raise ValueError(f"teachers must be at least 1, got {teachers}")
+    fit = dict(progress=progress, weight_decay=weight_decay, merge_at=merge_at)
+    if teachers == 1:
+        head, losses = train_head(data, hidden, width, steps, batch, lr, seed, **fit)
+        return head, losses, [head]
+    members = [train_head(data, hidden, width, steps, batch, lr, seed + k, **fit)[0] for k in range(teachers)]
+    with torch.no_grad():
+        target = torch.stack([m(data["prev"], data["emb"], data["local"]) for m in members]).mean(0)
+    head, losses = train_head(dict(data, y=target), hidden, width, steps, batch, lr, seed, **fit)
+    return head, losses, members
+
+
 @torch.no_grad()
 def held_out(head: RecallHead, data: dict[str, torch.Tensor], theta: float = 0.0) -> dict[str, float]:
     score = head(data["prev"], data["emb"], data["local"])
@@ -425,6 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds that label every document again over the history the trained head itself routes "
                         "(theta 0), add those rows and train a fresh head on the union; 0: the Full trunk only, "
                         "as in A.3 (default: %(default)s)")
+    p.add_argument("--teachers", type=int, default=1,
+                   help="train this many heads (seeds --seed onward) on the target, then the served head on their "
+                        "mean score (ours, not the seed's: lowers the routing's dependence on the training seed); "
+                        "1: the head is trained on the target itself, as in A.4 (default: %(default)s)")
     p.add_argument("--width", type=int, default=None, help="head width (default: hidden size / 2)")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
@@ -440,7 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.teachers < 1:
+        parser.error(f"--teachers must be at least 1, got {args.teachers}")
     torch.set_num_threads(1)
     began = time.time()
 
@@ -461,7 +491,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"positions: train {len(train['y'])}, held-out {len(dev['y'])}; gain > 0 on "
           f"{float((train['g'] > 0).float().mean()):.3f} of train; supervision {supervision_s:.0f}s", file=sys.stderr)
 
-    head, losses = train_head(train, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr, args.seed)
+    def fit(rows: dict[str, torch.Tensor]) -> tuple[RecallHead, list[float], list[RecallHead]]:
+        return train_distilled(rows, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr, args.seed,
+                               args.teachers)
+
+    head, losses, teachers = fit(train)
     rounds = []
     for r in range(args.policy_rounds):
         tag = f"r{r}-{head_digest(head)}"
@@ -470,8 +504,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         policy_train, policy_dev = (assemble(d, args.lam, args.tau_hist) for d in labelled)
         before = held_out(head, policy_dev)  # the head that routed these rows, on its own history
         train = {k: torch.cat([train[k], policy_train[k]]) for k in train}
-        head, losses = train_head(train, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr,
-                                  args.seed)
+        head, losses, teachers = fit(train)
         rounds.append({"routing_head": tag, "full_rate_of_routed_rows": float(torch.cat(
                            [d["committed_full"][(d["position"] >= d["prompt_len"]) & d["eligible"]] for d in labelled[0]]).float().mean()),
                        "positions_added": len(policy_train["y"]), "held_out_policy_history_before": before,
@@ -480,6 +513,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     metrics = {"train_loss_first_50": sum(losses[:50]) / len(losses[:50]),
                "train_loss_last_50": sum(losses[-50:]) / len(losses[-50:]),
                "train": held_out(head, train), "held_out": held_out(head, dev), "policy_rounds": rounds}
+    if args.teachers > 1:
+        metrics["teachers_held_out_auc"] = [held_out(t, dev)["auc_gain_positive"] for t in teachers]
     print(json.dumps(metrics["held_out"], indent=1), file=sys.stderr)
 
     manifest: dict[str, Any] = {
@@ -498,6 +533,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "counterfactuals per step"
                            + (f"; then {args.policy_rounds} round(s) labelling the same documents over the history "
                               "the trained head routes (theta 0), added to the training set" if args.policy_rounds else ""),
+            "teachers": (f"{args.teachers} heads trained on the target (seeds {args.seed}..{args.seed + args.teachers - 1}); "
+                         "this head is trained the same way on their mean score" if args.teachers > 1 else
+                         "none: this head is trained on the target"),
             "reference": args.reference,
             "policy_rounds": args.policy_rounds,
             "tasks": tasks, "length": args.length,
@@ -506,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "suite_test_seeds": "0 (runner default) and 100 (README tables): disjoint"},
         },
         "training": {"steps": args.steps, "batch": args.batch, "lr": args.lr, "optimizer": "AdamW(0.9, 0.95), wd 0, clip 1",
-                     "seed": args.seed, "threads": 1, "torch": torch.__version__,
+                     "seed": args.seed, "teachers": args.teachers, "threads": 1, "torch": torch.__version__,
                      "supervision_seconds": round(supervision_s, 1)},
         "metrics": metrics,
         "command": "python -m sglang_kvx.training.train_recall_head " + " ".join(argv if argv is not None else sys.argv[1:]),
