@@ -12,8 +12,8 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
 "window" (default 128, the installed heads' w; sinks stay 4) selects another span.
 
 variants: [width, lambda, steps, seed], optionally followed by policy rounds, AdamW weight decay, a list of update counts whose
-checkpoints are averaged (the seed's uniform merge) and the number of teacher heads whose mean score the head is trained on
-(train_recall_head --teachers). Choose recipes on the held-out seed (3000001), never on the test
+checkpoints are averaged (the seed's uniform merge), the number of teacher heads whose mean score the head is trained on
+(train_recall_head --teachers) and the training target ("gain", the seed's, or "flip": train_recall_head --target). Choose recipes on the held-out seed (3000001), never on the test
 seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 The Full and Local arms are cached there too, keyed on the model, the prompts' token ids and the
 decoding settings, so a second sweep on the same split only runs the heads.
@@ -76,13 +76,13 @@ print("full", full[:2], "local", local[:2], time.time() - t0, file=sys.stderr)
 for width, lam, steps, seed, *more in CFG["variants"]:
     v = dict(width=width, lam=lam, steps=steps, seed=seed, tau=0.0, rounds=more[0] if more else 0,
              wd=more[1] if len(more) > 1 else 0.0, merge=more[2] if len(more) > 2 else [],
-             teachers=more[3] if len(more) > 3 else 1)
+             teachers=more[3] if len(more) > 3 else 1, target=more[4] if len(more) > 4 else "gain")
     train = T.assemble(train_docs, v["lam"], v["tau"])
     dev = T.assemble(dev_docs, v["lam"], v["tau"])
 
     def fit(rows, v=v):
         return T.train_distilled(rows, HID, v["width"], v["steps"], 256, 1e-3, v["seed"], v["teachers"], progress=False,
-                                 weight_decay=v["wd"], merge_at=tuple(v["merge"]))[0]
+                                 weight_decay=v["wd"], merge_at=tuple(v["merge"]), target=v["target"])[0]
 
     head = fit(train)
     for r in range(v["rounds"]):  # as train_recall_head --policy-rounds
@@ -96,7 +96,7 @@ for width, lam, steps, seed, *more in CFG["variants"]:
         t0 = time.time()
         sc, rate, _ = run(oda.head_route(head, theta))
         gap = (sc - local[0]) / (full[0] - local[0])
-        rec = dict(v, theta=theta, score=sc, rate=round(rate, 4), gap=round(gap, 4), auc=round(ho["auc_gain_positive"], 4),
+        rec = dict(v, theta=theta, score=sc, rate=round(rate, 4), gap=round(gap, 4), auc=round(ho["auc_gain_positive"], 4), auc_flips=round(ho["auc_flips"], 4),
                    full=full[0], local=local[0], seed_eval=EVAL_SEED, samples=SAMPLES, new_tokens=NEW, window=WINDOW, secs=round(time.time() - t0),
                    top1_routed=round(ho["top1_routed"], 4), ho_rate=round(ho["full_rate_at_theta"], 4))
         print(json.dumps(rec), flush=True)

@@ -4,6 +4,7 @@ and the committed heads ranking held-out steps by the benefit of Full attention.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,27 @@ def test_a_distilled_head_is_trained_on_its_teachers_mean_score():
     assert only == [one] and torch.equal(one.out.weight, teachers[0].out.weight)
     with pytest.raises(ValueError, match="teachers"):
         trh.train_distilled(data, 32, 16, steps=30, batch=64, lr=3e-3, seed=4, teachers=0, progress=False)
+
+
+def test_a_flip_target_trains_on_the_steps_where_local_misses_and_full_hits():
+    data = synthetic(2048, 32, 0)
+    g = torch.Generator().manual_seed(7)
+    # the flips follow other inputs than the gain does, and the gain-positive rows are a coin's toss apart
+    data["top_local"] = data["emb"][:, 5] < 0.3
+    data["top_full"] = torch.rand(2048, generator=g) < 0.9
+    data["ent"] = torch.rand(2048, generator=g)  # held_out's baseline column
+    assert trh.flips(data).tolist() == [f and not loc for f, loc in zip(data["top_full"].tolist(),
+                                                                          data["top_local"].tolist())]
+    flip, losses = trh.train_head(data, 32, 16, steps=150, batch=128, lr=3e-3, seed=0, progress=False, target="flip")
+    gain, _ = trh.train_head(data, 32, 16, steps=150, batch=128, lr=3e-3, seed=0, progress=False)
+    assert losses[0] == pytest.approx(math.log(2), abs=0.15)  # a logistic loss, not the Huber one, at the start
+    with torch.no_grad():
+        flip_score, gain_score = (h(data["prev"], data["emb"], data["local"]) for h in (flip, gain))
+    needs = data["emb"][:, 5] >= 0.3  # Local misses: what the flip head must rank, whatever Full does
+    assert trh.auc(flip_score, needs) > 0.9 and trh.auc(gain_score, needs) < 0.65
+    assert trh.held_out(flip, data)["auc_flips"] == pytest.approx(trh.auc(flip_score, trh.flips(data)))
+    with pytest.raises(ValueError, match="target"):
+        trh.train_head(data, 32, 16, steps=1, batch=8, lr=3e-3, seed=0, progress=False, target="gains")
 
 
 def test_auc():

@@ -29,6 +29,9 @@ Reads top to bottom:
    The previous-state input is the Local counterfactual's hidden where the previous step's gain
    was below tau_hist, the trunk's otherwise (eq. 14); the prefill's last hidden at the first step.
 4. Training: Huber(1) regression of the head's score on y (eq. 8, 15), AdamW, backbone frozen.
+   With ``--target flip`` (ours, not the seed's): a logistic loss on whether the step flips the
+   greedy token, Full's top-1 being the reference and Local's not; greedy decoding only changes
+   where that holds. Theta then thresholds a logit.
    With ``--teachers K`` (ours, not the seed's): K heads trained on y from seeds --seed onward,
    then the served head trained the same way on their mean score instead of y.
 5. Held-out: Huber loss and AUC of the score against g > 0 on DEV_SEED documents (no checkpoint
@@ -68,6 +71,10 @@ DEV_SEED = 3_000_001
 TEST_SEED = 100  # the README's suite tables
 CACHE_ROOT = Path("/tmp/kvx_oda_supervision")
 HELDOUT_FILE = "heldout.safetensors"  # a sample of the held-out supervision, for tests
+TARGETS = {  # what a head is trained on (--target)
+    "gain": "y = sign(d) log(1 + |d|), d = log p_Full(y) - log p_Local(y) - lambda; Huber(1)",  # A.4, the seed's
+    "flip": "logistic loss on 'Full's top-1 is the reference token and Local's is not' (ours, not the seed's)",
+}
 
 
 # ------------------------------------------------------------------- 1-2. paired supervision
@@ -247,14 +254,24 @@ def head_digest(head: RecallHead) -> str:
     return digest.hexdigest()[:12]
 
 
+def flips(data: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rows where Full's top-1 is the reference token and Local's is not: the steps where a greedy
+    decoder's token depends on the route."""
+    return data["top_full"] & ~data["top_local"]
+
+
 def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
                seed: int, progress: bool = True, weight_decay: float = 0.0,
-               merge_at: tuple[int, ...] = ()) -> tuple[RecallHead, list[float]]:
-    """Huber(1) regression of head(prev, emb, local) on y; AdamW, warm-up then cosine, clip 1.
+               merge_at: tuple[int, ...] = (), target: str = "gain") -> tuple[RecallHead, list[float]]:
+    """``target`` "gain": Huber(1) regression of head(prev, emb, local) on y (A.4); "flip": a
+    logistic loss on ``flips`` (ours). AdamW, warm-up then cosine, clip 1.
     ``merge_at``: return the uniform average of the parameters after these update counts (the
     seed's "uniform merge" of one run's checkpoints, B.4) instead of the last ones."""
     if any(not 1 <= k <= steps for k in merge_at):
         raise ValueError(f"merge_at {merge_at} must lie in 1..{steps}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
+    label = flips(data).float() if target == "flip" else data["y"]
     merged: dict[str, torch.Tensor] = {}
     torch.manual_seed(seed)
     head = RecallHead(hidden, width)
@@ -270,7 +287,10 @@ def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, st
             group["lr"] = lr * max(scale, 0.1 * min(1.0, (step + 1) / warmup))
         idx = torch.randint(0, n, (min(batch, n),), generator=gen)
         score = head(data["prev"][idx], data["emb"][idx], data["local"][idx])
-        loss = F.huber_loss(score, data["y"][idx], delta=1.0)  # eq. 8 / 15, mean over the batch
+        if target == "flip":
+            loss = F.binary_cross_entropy_with_logits(score, label[idx])
+        else:
+            loss = F.huber_loss(score, label[idx], delta=1.0)  # eq. 8 / 15, mean over the batch
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -288,9 +308,10 @@ def train_head(data: dict[str, torch.Tensor], hidden: int, width: int | None, st
 
 def train_distilled(data: dict[str, torch.Tensor], hidden: int, width: int | None, steps: int, batch: int, lr: float,
                     seed: int, teachers: int, progress: bool = True, weight_decay: float = 0.0,
-                    merge_at: tuple[int, ...] = ()) -> tuple[RecallHead, list[float], list[RecallHead]]:
-    """``teachers`` heads trained on y as above (seeds seed .. seed + teachers - 1), then the
-    served head (seed ``seed``, same recipe) trained on their mean score in place of y. Ours, not
+                    merge_at: tuple[int, ...] = (), target: str = "gain",
+                    ) -> tuple[RecallHead, list[float], list[RecallHead]]:
+    """``teachers`` heads trained on ``target`` as above (seeds seed .. seed + teachers - 1), then the
+    served head (seed ``seed``, same recipe) regressed (Huber) on their mean score. Ours, not
     the seed's: one head's routing moves by about 3 points of the gap with its training seed (the
     README's recipe table); the seed-averaged target keeps one A.2 head, so serving is unchanged.
     ``teachers=1``: plain ``train_head``. Returns (head, its losses, the teachers)."""
@@ -298,9 +319,10 @@ def train_distilled(data: dict[str, torch.Tensor], hidden: int, width: int | Non
         raise ValueError(f"teachers must be at least 1, got {teachers}")
     fit = dict(progress=progress, weight_decay=weight_decay, merge_at=merge_at)
     if teachers == 1:
-        head, losses = train_head(data, hidden, width, steps, batch, lr, seed, **fit)
+        head, losses = train_head(data, hidden, width, steps, batch, lr, seed, target=target, **fit)
         return head, losses, [head]
-    members = [train_head(data, hidden, width, steps, batch, lr, seed + k, **fit)[0] for k in range(teachers)]
+    members = [train_head(data, hidden, width, steps, batch, lr, seed + k, target=target, **fit)[0]
+               for k in range(teachers)]
     with torch.no_grad():
         target = torch.stack([m(data["prev"], data["emb"], data["local"]) for m in members]).mean(0)
     head, losses = train_head(dict(data, y=target), hidden, width, steps, batch, lr, seed, **fit)
@@ -318,6 +340,7 @@ def held_out(head: RecallHead, data: dict[str, torch.Tensor], theta: float = 0.0
         "huber": float(F.huber_loss(score, data["y"], delta=1.0)),
         "huber_predict_zero": float(F.huber_loss(torch.zeros_like(data["y"]), data["y"], delta=1.0)),
         "auc_gain_positive": auc(score, positive),
+        "auc_flips": auc(score, flips(data)),
         "auc_local_entropy_baseline": auc(data["ent"], positive),
         "full_rate_at_theta": float(full.float().mean()),
         # teacher-forced top-1 accuracy on the reference next token: Local, Full, routed by the head
@@ -452,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train this many heads (seeds --seed onward) on the target, then the served head on their "
                         "mean score (ours, not the seed's: lowers the routing's dependence on the training seed); "
                         "1: the head is trained on the target itself, as in A.4 (default: %(default)s)")
+    p.add_argument("--target", choices=sorted(TARGETS), default="gain",
+                   help="gain: the seed's cost-adjusted signed gain (A.4); flip (ours): a logistic loss on the steps "
+                        "where Full's top-1 is the reference token and Local's is not (default: %(default)s)")
     p.add_argument("--width", type=int, default=None, help="head width (default: hidden size / 2)")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
@@ -493,7 +519,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def fit(rows: dict[str, torch.Tensor]) -> tuple[RecallHead, list[float], list[RecallHead]]:
         return train_distilled(rows, int(cfg["hidden_size"]), args.width, args.steps, args.batch, args.lr, args.seed,
-                               args.teachers)
+                               args.teachers, target=args.target)
 
     head, losses, teachers = fit(train)
     rounds = []
@@ -523,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "config_hash": config_hash(cfg), "architecture": (cfg.get("architectures") or [None])[0]},
         "sinks": args.sinks, "window": args.window, "theta": 0.0, "lambda": args.lam, "tau_hist": args.tau_hist,
         "inputs": "score = head(prev_h, emb, local_h); see sglang_kvx/decode/recall_head.py",
-        "target": "y = sign(d) log(1 + |d|), d = log p_Full(y) - log p_Local(y) - lambda; Huber(1)",
+        "target": TARGETS[args.target],
         "data": {
             "description": "evaluation-suite prompts (sglang_kvx.eval.tasks) with "
                            + ("their gold answers" if args.reference == "gold" else
