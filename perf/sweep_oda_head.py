@@ -13,8 +13,8 @@ token for token) on a suite split, at several thetas. One JSON line per (variant
 
 variants: [width, lambda, steps, seed], optionally followed by policy rounds, AdamW weight decay, a list of update counts whose
 checkpoints are averaged (the seed's uniform merge), the number of teacher heads whose mean score the head is trained on
-(train_recall_head --teachers) and the training target ("gain", the seed's, or "flip": train_recall_head --target). Choose recipes on the held-out seed (3000001), never on the test
-seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
+(train_recall_head --teachers) and the training target ("gain", the seed's, or "flip": train_recall_head
+--target). Choose recipes on the held-out seed (3000001), never on the test seed 0. Builds the supervision first if /tmp/kvx_oda_supervision lacks it (about 30 min for the above).
 The Full and Local arms are cached there too, keyed on the model, the prompts' token ids and the
 decoding settings, so a second sweep on the same split only runs the heads.
 """

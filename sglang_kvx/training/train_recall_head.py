@@ -34,7 +34,7 @@ Reads top to bottom:
    where that holds. Theta then thresholds a logit.
    With ``--teachers K`` (ours, not the seed's): K heads trained on y from seeds --seed onward,
    then the served head trained the same way on their mean score instead of y.
-5. Held-out: Huber loss and AUC of the score against g > 0 on DEV_SEED documents (no checkpoint
+5. Held-out: Huber loss and AUC of the score against g > 0 (and against ``flips``) on DEV_SEED documents (no checkpoint
    is chosen on it); the Local entropy's AUC as a baseline.
 6. Optional (--eval-samples): greedy generation on the suite at TEST_SEED with Full, Local, ODA
    with the trained head (theta 0) and random routing at ODA's realised Full rate, scored with
@@ -324,8 +324,8 @@ def train_distilled(data: dict[str, torch.Tensor], hidden: int, width: int | Non
     members = [train_head(data, hidden, width, steps, batch, lr, seed + k, target=target, **fit)[0]
                for k in range(teachers)]
     with torch.no_grad():
-        target = torch.stack([m(data["prev"], data["emb"], data["local"]) for m in members]).mean(0)
-    head, losses = train_head(dict(data, y=target), hidden, width, steps, batch, lr, seed, **fit)
+        mean_score = torch.stack([m(data["prev"], data["emb"], data["local"]) for m in members]).mean(0)
+    head, losses = train_head(dict(data, y=mean_score), hidden, width, steps, batch, lr, seed, **fit)  # Huber
     return head, losses, members
 
 
