@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (real SGLang servers on loopback; over an hour on 2 cores).
+# Set up, then run the test suite: real SGLang servers on loopback, shared across the suite.
+#   bash scripts/test.sh           the whole suite, what CI runs first (about 15 min on 2 cores)
+#   bash scripts/test.sh --quick   unit tests and the shared dense server only: the inner loop (under 3 min)
+#   bash scripts/test.sh --long    the long-scale runs (marked `long`), which CI runs after the suite
+# Any further arguments go to pytest (a file, -k EXPR, -x, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=(-m "not long")
+case "${1:-}" in
+  --quick) tier=(-m "(not slow or quick) and not long"); shift ;;
+  --long) tier=(-m "long"); shift ;;
+esac
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
-# --durations: a CI log that runs long names its slowest tests.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@" tests
+# --durations: a CI log that runs long names its slowest tests; the suite's last line gives its
+# wall time and server starts (tests/conftest.py).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${tier[@]}" "$@"

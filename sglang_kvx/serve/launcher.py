@@ -1,13 +1,15 @@
 """Start and stop a real SGLang server process (SGLang's own launcher, ``adapter.LAUNCH_MODULE``) on loopback.
 
 Used by the demo, the tests and the benchmarks, so all three run the same
-launcher a user runs.
+launcher a user runs. ``RunningServer`` speaks to a server someone else started
+(a benchmark's ``--url``) through the same client helpers.
 """
 
 from __future__ import annotations
 
 from sglang_kvx.adapter import LAUNCH_MODULE
 
+import argparse
 import os
 import signal
 import socket
@@ -50,7 +52,51 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-class ServerProcess:
+class ServerClient:
+    """The client helpers every server handle offers; ``url`` is the server's address."""
+
+    url: str
+
+    def generate(self, payload: dict, timeout: float = 300.0) -> requests.Response:
+        return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+
+    def flush(self) -> None:
+        flush_cache(self.url)
+
+    def stats(self, timeout: float = 30) -> dict:
+        """``/kvx/stats``; the scheduler answers between forward steps, so a long step (a KVzip pass
+        over a long context) needs a longer ``timeout``."""
+        response = requests.get(self.url + "/kvx/stats", timeout=timeout)
+        response.raise_for_status()
+        return response.json()
+
+
+class RunningServer(ServerClient):
+    """A server already running at ``url`` (started by someone else): ``start`` checks it answers,
+    ``stop`` leaves it running."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.startup_seconds: float | None = None
+
+    def start(self) -> "RunningServer":
+        requests.get(self.url + "/health", timeout=30).raise_for_status()
+        return self
+
+    def stop(self) -> None:
+        pass
+
+    def wait_for_exit(self, timeout: float = 30.0) -> None:
+        pass
+
+    def __enter__(self) -> "RunningServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class ServerProcess(ServerClient):
     """One SGLang server; ``with ServerProcess(...) as server:`` starts it and always stops it."""
 
     def __init__(
@@ -154,17 +200,40 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # --- small client helpers -------------------------------------------------
 
-    def generate(self, payload: dict, timeout: float = 300.0) -> requests.Response:
-        return requests.post(self.url + "/generate", json=payload, timeout=timeout)
+def server_or_url(url: str | None, model_path: str | Path, *args: str, **kwargs) -> ServerClient:
+    """The server at ``url`` when one is given (its own flags stand), else a new ``ServerProcess``."""
+    return RunningServer(url) if url else ServerProcess(model_path, *args, **kwargs)
 
-    def flush(self) -> None:
-        flush_cache(self.url)
 
-    def stats(self, timeout: float = 30) -> dict:
-        """``/kvx/stats``; the scheduler answers between forward steps, so a long step (a KVzip pass
-        over a long context) needs a longer ``timeout``."""
-        response = requests.get(self.url + "/kvx/stats", timeout=timeout)
-        response.raise_for_status()
-        return response.json()
+def parse_urls(values: list[str], arms: tuple[str, ...]) -> dict[str, str]:
+    """``--url [ARM=]URL`` values -> {arm: url}; a bare URL stands for the only arm."""
+    urls: dict[str, str] = {}
+    for value in values:
+        arm, sep, url = value.partition("=")
+        if not sep or arm.startswith("http"):
+            if len(arms) != 1:
+                raise ValueError(f"--url {value}: name the arm (one of {', '.join(arms)}), as ARM=URL")
+            arm, url = arms[0], value
+        if arm not in arms:
+            raise ValueError(f"--url {value}: unknown arm {arm!r} (one of {', '.join(arms)})")
+        urls[arm] = url
+    return urls
+
+
+def add_url_option(parser: argparse.ArgumentParser, arms: tuple[str, ...]) -> None:
+    """``--url [ARM=]URL`` (repeatable) on a benchmark: run arm ARM against the server already at URL
+    instead of starting one (its own flags, model and pool then stand; the test suite's smoke run
+    points the benchmarks at its shared servers)."""
+    named = "URL" if len(arms) == 1 else f"ARM=URL (ARM: {', '.join(arms)})"
+    parser.add_argument("--url", action="append", default=[], metavar="[ARM=]URL",
+                        help=f"{named}: use the server running there instead of starting one; its own flags, "
+                             "model and pool stand (repeatable)")
+
+
+def urls_from_args(parser: argparse.ArgumentParser, values: list[str], arms: tuple[str, ...]) -> dict[str, str]:
+    """The parsed ``--url`` values by arm; a bad one is the parser's error (exit 2)."""
+    try:
+        return parse_urls(values, arms)
+    except ValueError as exc:
+        parser.error(str(exc))

@@ -1,0 +1,175 @@
+"""Real SGLang servers shared by the whole test session, keyed by their launch arguments.
+
+A test asks ``server_pool.get(spec)`` for the server it needs and gets a running one: started on
+first use, reused by every later test asking for the same spec. After each test, every server it
+used is returned to its start state -- ``/flush_cache`` -- and checked whole: every pool slot free,
+nothing in the compacted-context store, no decode row or KVzip pass left behind. A test that
+leaves a leak or a dead server fails itself, not the tests after it; a server that died is started
+afresh for the next test that asks for it.
+
+Counters in ``/kvx/stats`` are cumulative over a shared server's life: tests assert deltas.
+
+At most ``max_live`` servers run at once (each holds ~2.7 GB over its three processes); the least
+recently used one is stopped to make room. ``shared_spec`` names the few configurations that carry
+most of the suite, so that tests share servers instead of each starting their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from sglang_kvx.serve.launcher import ServerProcess, flush_cache
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One launch configuration: what makes two servers interchangeable."""
+
+    model_path: str
+    args: tuple[str, ...] = ()
+    max_total_tokens: int = 8192
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return " ".join([Path(self.model_path).name, *self.args, f"pool={self.max_total_tokens}",
+                         *(f"{k}={v}" for k, v in self.env)])
+
+
+def spec(model_path: str, *args: str, max_total_tokens: int = 8192, env: dict[str, str] | None = None) -> ServerSpec:
+    return ServerSpec(str(model_path), tuple(args), max_total_tokens, tuple(sorted((env or {}).items())))
+
+
+# Small pool and context so bad-input tests can exceed them cheaply.
+SERVER_ARGS = ("--context-length", "4096")
+MAX_TOTAL_TOKENS = 8192
+SPARSE_BUDGET = 32  # tokens per query on the shared sparse servers: 8 four-token blocks
+CHUNK = 512  # prefill chunk of the shared chunked-prefill server
+SHARED_KINDS = ("plain", "compacting", "recomputing", "chunked", "sparse", "gated_cell")
+
+
+def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: dict[str, str] | None = None) -> ServerSpec:
+    """The suite's shared launch configurations: every test needing, say, a sparse server asks for
+    this one by kind, so they share it. ``env`` lets the compacting server import tests/ modules."""
+    if kind == "plain":  # SGLang with the extension loaded and idle (no policy, no decode steps)
+        return spec(path, *SERVER_ARGS, "--kvx-policy", "none", max_total_tokens=MAX_TOTAL_TOKENS)
+    if kind == "compacting":  # compaction by default (KeyDiff, p = 0.5), per-request decode steps, a
+        # recall head (the suite's seeded one), the throwaway test policies and step, /metrics
+        return spec(path, *SERVER_ARGS, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
+                    "--kvx-decode-steps", "on", "--kvx-oda-head", str(oda_head),
+                    "--kvx-policy-modules", "throwaway_policy", "--enable-metrics",
+                    max_total_tokens=MAX_TOTAL_TOKENS, env=env)
+    if kind == "recomputing":  # the GDN signals recomputed as on SGLang's own (GPU) kernels' route,
+        # SGLang's torch_native attention backend, prefill chunks of 128 tokens
+        return spec(path, *SERVER_ARGS, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
+                    "--attention-backend", "torch_native", "--chunked-prefill-size", "128",
+                    max_total_tokens=MAX_TOTAL_TOKENS, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
+    if kind == "chunked":  # prefill in chunks of CHUNK tokens
+        return spec(path, *SERVER_ARGS, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.2",
+                    "--chunked-prefill-size", str(CHUNK), max_total_tokens=MAX_TOTAL_TOKENS)
+    if kind == "sparse":  # block-sparse attention for every request
+        return spec(path, "--kvx-sparse-attention", str(SPARSE_BUDGET), max_total_tokens=4096)
+    if kind == "gated_cell":  # a learned-gate family cell, per-request decode steps, float32
+        return spec(path, "--dtype", "float32", "--kvx-decode-steps", "on", max_total_tokens=4096)
+    raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
+
+
+def whole_pool_problem(stats: dict) -> str | None:
+    """Why an idle, flushed server's pool is not back at its start state (None when it is)."""
+    ranks = stats["ranks"] if "ranks" in stats else [stats]
+    for rank in ranks:
+        total, free = rank["kv_pool_total_tokens"], rank["kv_pool_free_tokens"]
+        leftovers = {key: rank[key] for key in ("store_slots", "decode_rows", "kvzip_passes_pending")
+                     if rank.get(key)}
+        if rank.get("compacted_contexts"):
+            leftovers["compacted_contexts"] = len(rank["compacted_contexts"])
+        if free != total or leftovers:
+            return f"pool not whole after /flush_cache: {free} of {total} slots free, left over {leftovers}"
+    return None
+
+
+@dataclass
+class ServerPool:
+    log_dir: Path
+    max_live: int = 5
+    live: "OrderedDict[ServerSpec, ServerProcess]" = field(default_factory=OrderedDict)
+    starts: list[tuple[str, float]] = field(default_factory=list)  # (spec label, seconds to ready)
+    restarts: int = 0
+    used: set[ServerSpec] = field(default_factory=set)  # by the running test
+    current: object = None  # the running test's pytest item
+    fresh_starts: int = 0  # server processes tests marked fresh_process started themselves
+    fresh_by_current: int = 0  # ... by the running test
+    starting: bool = False  # the pool is starting a server (conftest's guard lets it through)
+
+    def get(self, server_spec: ServerSpec) -> ServerProcess:
+        if self.current is not None and self.current.get_closest_marker("slow") is None:
+            raise RuntimeError(f"{self.current.nodeid} uses a real server: mark it slow")
+        server = self.live.get(server_spec)
+        if server is not None and server.proc is not None and server.proc.poll() is not None:
+            self._drop(server_spec)  # died after the last test checked it: start afresh
+            self.restarts += 1
+            server = None
+        if server is None:
+            while len(self.live) >= self.max_live:
+                self._drop(next(iter(self.live)))
+            server = ServerProcess(server_spec.model_path, *server_spec.args,
+                                   max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
+                                   log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")
+            self.starting = True
+            try:
+                server.start()
+            finally:
+                self.starting = False
+            self.starts.append((server_spec.label, server.startup_seconds or 0.0))
+            self.live[server_spec] = server
+        self.live.move_to_end(server_spec)
+        self.used.add(server_spec)
+        return server
+
+    def reset_used(self) -> list[str]:
+        """Flush every server the finished test used and check it whole; what went wrong, per server."""
+        problems = []
+        for server_spec in list(self.used):
+            server = self.live.get(server_spec)
+            if server is None:
+                continue
+            if server.proc is None or server.proc.poll() is not None:
+                problems.append(f"the shared server [{server_spec.label}] died during this test:\n{server.log_tail(30)}")
+                self._drop(server_spec)
+                continue
+            try:
+                problem = self._reset(server)
+            except (requests.RequestException, RuntimeError) as exc:
+                problem = f"could not be reset ({exc}); it is restarted for the next test"
+                self._drop(server_spec)
+            if problem:
+                problems.append(f"[{server_spec.label}] {problem}")
+        self.used.clear()
+        return problems
+
+    @staticmethod
+    def _reset(server: ServerProcess, timeout: float = 60.0) -> str | None:
+        """``/flush_cache`` until the server is idle and whole (a request a test abandoned may still run)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            flush_cache(server.url, timeout=timeout)
+            response = requests.get(server.url + "/kvx/stats", timeout=30)
+            response.raise_for_status()
+            problem = whole_pool_problem(response.json())
+            if problem is None or time.monotonic() > deadline:
+                return problem
+            time.sleep(0.5)
+
+    def _drop(self, server_spec: ServerSpec) -> None:
+        server = self.live.pop(server_spec)
+        server.stop()
+        server.wait_for_exit()  # its memory is back before the next server sizes its pool
+
+    def close(self) -> None:
+        for server_spec in list(self.live):
+            self._drop(server_spec)
