@@ -20,7 +20,6 @@ from sglang_kvx.adapter.attention import (
     per_layer_lengths_class,
     with_per_layer_lengths,
 )
-from sglang_kvx.serve.launcher import ServerProcess
 
 from test_compaction_e2e import GREEDY, compact, kvx, text
 
@@ -85,35 +84,30 @@ def test_our_extend_equals_sglangs_whole_row_extend_on_new_queries_only(gqa: int
 
 
 @pytest.mark.slow
-def test_sglang_torch_native_backend_serves_per_layer_budgets(demo_paths, references) -> None:
-    name = "tiny-hybrid-deep"
-    ref = references[name]
+def test_sglang_torch_native_backend_serves_per_layer_budgets(recomputing_hybrid) -> None:
+    server, ref = recomputing_hybrid
     context = ref.encode(text(260, seed=31))
     questions = [ref.encode("Question: which word comes next? Answer:"), ref.encode("Question: and the word after? Answer:")]
-    server = ServerProcess(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
-                           "--attention-backend", "torch_native", "--context-length", "4096",
-                           max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
-    with server:
-        # GateSight's gate budgets, PyramidKV's, and KVzip's scores under PyramidKV budgets (folded after its
-        # second pass). PyramidKV's reference budgets fall back to flat ones unless the last layer keeps at
-        # least the 64-token window, so its cases keep half the context.
-        for policy, allocation, fraction in (("gatesight", "gate", 0.2), ("pyramidkv", None, 0.5), ("kvzip", "pyramidkv", 0.5)):
-            compact(server, context, policy, fraction, allocation=allocation)
-            entries = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
-            (entry,) = [e for e in entries if e["policy"] == policy]
-            keep = [torch.tensor(layer) for layer in entry["positions"]]
-            kept = [k.shape[1] for k in keep]
-            assert len(set(kept)) > 1, kept  # the layers keep different numbers: the masked path runs
-            for question in questions:
-                response = server.generate({"input_ids": context + question, "return_logprob": True, "sampling_params": {
-                    **GREEDY, "max_new_tokens": 8, **kvx(policy, fraction, allocation=allocation)}})
-                assert response.status_code == 200, response.text
-                body = response.json()
-                expected_ids, expected_lp = ref.compacted_generate(context, keep, question, 8)
-                assert body["output_ids"] == expected_ids, policy
-                served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
-                assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
-                # The layers are folded: the context holds the mean of the per-layer counts, not the largest.
-                assert body["meta_info"]["cached_tokens"] == entry["slots"] == -(-sum(kept) // len(kept)) < max(kept)
-        stats = server.stats()
+    # GateSight's gate budgets, PyramidKV's, and KVzip's scores under PyramidKV budgets (folded after its
+    # second pass). PyramidKV's reference budgets fall back to flat ones unless the last layer keeps at
+    # least the 64-token window, so its cases keep half the context.
+    for policy, allocation, fraction in (("gatesight", "gate", 0.2), ("pyramidkv", None, 0.5), ("kvzip", "pyramidkv", 0.5)):
+        compact(server, context, policy, fraction, allocation=allocation)
+        entries = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+        (entry,) = [e for e in entries if e["policy"] == policy]
+        keep = [torch.tensor(layer) for layer in entry["positions"]]
+        kept = [k.shape[1] for k in keep]
+        assert len(set(kept)) > 1, kept  # the layers keep different numbers: the masked path runs
+        for question in questions:
+            response = server.generate({"input_ids": context + question, "return_logprob": True, "sampling_params": {
+                **GREEDY, "max_new_tokens": 8, **kvx(policy, fraction, allocation=allocation)}})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            expected_ids, expected_lp = ref.compacted_generate(context, keep, question, 8)
+            assert body["output_ids"] == expected_ids, policy
+            served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
+            assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
+            # The layers are folded: the context holds the mean of the per-layer counts, not the largest.
+            assert body["meta_info"]["cached_tokens"] == entry["slots"] == -(-sum(kept) // len(kept)) < max(kept)
+    stats = server.stats()
     assert sorted(c["reuse_count"] for c in stats["compacted_contexts"]) == [2, 2, 2]

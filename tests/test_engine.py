@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from sglang_kvx.config import KvxConfigError
 from sglang_kvx.engine import Engine
+from sglang_kvx.serve.launcher import server_env
 
-pytestmark = pytest.mark.slow
+
+ENGINE_SCRIPT = """
+import json, sys
+from sglang_kvx.engine import Engine
+
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
+engine = Engine(model_path=model, max_total_tokens=4096, kvx_policy="none")
+try:
+    outputs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
+    print("OUTPUT " + json.dumps([out["output_ids"] for out in outputs]), flush=True)
+finally:
+    engine.shutdown()
+"""
 
 
+@pytest.mark.slow
+@pytest.mark.fresh_process
 def test_engine_generates_hf_greedy_tokens_on_the_hybrid(demo_paths, references):
+    """In a process of its own: SGLang's ``Engine.shutdown`` kills every child of the calling process
+    (the suite's shared servers too) and leaves its own processes unreaped."""
     ref = references["tiny-hybrid-deep"]
-    engine = Engine(model_path=demo_paths["tiny-hybrid-deep"], max_total_tokens=4096, kvx_policy="none")
-    try:
-        prompts = [ref.encode("The special magic number for forest is 31337. Remember it."), ref.encode("red blue green " * 30)]
-        outputs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True})
-        for prompt, out in zip(prompts, outputs):
-            assert out["output_ids"] == ref.greedy(prompt, 10)
-    finally:
-        engine.shutdown()
+    prompts = [ref.encode("The special magic number for forest is 31337. Remember it."), ref.encode("red blue green " * 30)]
+    proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, demo_paths["tiny-hybrid-deep"], json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=600, env=server_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("OUTPUT ")]
+    for prompt, output in zip(prompts, json.loads(line.removeprefix("OUTPUT "))):
+        assert output == ref.greedy(prompt, 10)
 
 
 def test_engine_refuses_a_bad_keep_fraction_before_starting(demo_paths):

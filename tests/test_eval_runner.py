@@ -1,4 +1,5 @@
-"""The evaluation runner's smoke path: a real server, a tiny length, one policy."""
+"""The evaluation runner's smoke path: a real server (the shared compacting hybrid, through
+``--url``), a tiny length, one policy; and the server the runner starts itself, refused."""
 
 from __future__ import annotations
 
@@ -8,12 +9,11 @@ import pytest
 
 from sglang_kvx.eval.runner import main, summarize, table
 
-pytestmark = pytest.mark.slow
 
-
-def test_runner_sweeps_a_live_server_and_writes_results(tmp_path):
+@pytest.mark.slow
+def test_runner_sweeps_a_live_server_and_writes_results(tmp_path, compacting_hybrid):
     out = tmp_path / "eval"
-    code = main(["--tasks", "niah_single_1,qa_1", "--length", "512", "--samples", "2", "--policies", "keydiff",
+    code = main(["--url", compacting_hybrid[0].url, "--tasks", "niah_single_1,qa_1", "--length", "512", "--samples", "2", "--policies", "keydiff",
                  "--fractions", "0.5,0.2", "--max-new-tokens", "12", "--out", str(out)])
     assert code == 0
     rows = json.loads((out / "results.json").read_text())
@@ -26,6 +26,8 @@ def test_runner_sweeps_a_live_server_and_writes_results(tmp_path):
     assert "| full | 1 |" in table(rows) and len(summarize(rows)) == 3
 
 
+@pytest.mark.slow
+@pytest.mark.fresh_process
 def test_runner_hands_its_estimator_to_the_server(tmp_path):
     """--estimator reaches the server it starts: estimators trained for another checkpoint stop it
     before any model loads, with the reason."""

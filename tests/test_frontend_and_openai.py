@@ -6,7 +6,7 @@ import pytest
 import requests
 import torch
 
-from sglang_kvx.serve.launcher import ServerProcess
+from server_pool import spec
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,10 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(demo_paths):
-    with ServerProcess(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
-                       max_total_tokens=8192) as server:
-        yield server
+@pytest.fixture
+def server(compacting_hybrid):
+    """The shared compacting hybrid: KeyDiff at p = 0.5 for requests that name no policy (the frontend's)."""
+    return compacting_hybrid[0]
 
 
 def child_answer(server, text: str, max_new_tokens: int = 8) -> str:
@@ -84,11 +83,10 @@ def test_openai_completions_are_children_too(server):
 # --- beginnings no client marked (--kvx-auto-context-min-tokens) -------------------------------
 
 
-@pytest.fixture(scope="module")
-def auto_server(demo_paths):
-    with ServerProcess(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
-                       "--kvx-auto-context-min-tokens", "64", max_total_tokens=8192) as server:
-        yield server
+@pytest.fixture
+def auto_server(demo_paths, server_pool):
+    return server_pool.get(spec(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
+                                "--kvx-auto-context-min-tokens", "64", max_total_tokens=8192))
 
 
 def wait_for_contexts(server, count: int = 1, timeout: float = 60.0) -> list[dict]:
@@ -106,6 +104,7 @@ def test_raw_clients_repeating_a_document_get_it_compacted_unasked(auto_server, 
     HF oracle answers from the same keep-set."""
     server, ref = auto_server, references["tiny-hybrid-deep"]
     server.flush()
+    queued = server.stats()["auto_contexts_queued"]
     prompts = [ref.encode(CONTEXT + question) for question in QUESTIONS]
 
     def ask(ids, n=6):
@@ -118,7 +117,7 @@ def test_raw_clients_repeating_a_document_get_it_compacted_unasked(auto_server, 
     shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
     [entry] = wait_for_contexts(server)
     assert entry["context_tokens"] == shared and entry["policy"] == "keydiff"
-    assert server.stats()["auto_contexts_queued"] == 1
+    assert server.stats()["auto_contexts_queued"] - queued == 1
     third = ask(prompts[2])
     assert third["meta_info"]["kvx"][-1]["child"] is True
     keep = [torch.tensor(layer) for layer in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()[0]["positions"]]

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -284,16 +282,13 @@ def test_a_foreign_estimator_is_refused_at_configuration(tmp_path, demo_paths):
     assert f"train one with: {TRAIN_MODULE} --model {model}" in str(exc.value)
 
 
-def test_serving_a_checkpoint_without_estimators_fails_at_start_up(demo_paths):
+def test_serving_a_checkpoint_without_estimators_fails_at_start_up(launch_parser, demo_paths):
     """launch_server exits 2 before serving, naming the command that trains its estimators."""
     from sglang_kvx.models.demo import weights_root
 
     model = str(weights_root() / "tiny-hybrid")  # a hybrid nobody trained estimators for
-    result = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--kvx-policy", "gatesight",
-         "--kvx-keep-fraction", "0.2", "--max-total-tokens", "4096"],
-        capture_output=True, text=True, timeout=120,
-    )
+    result = launch_parser.parse("--model-path", model, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
+                                 "--max-total-tokens", "4096")
     assert result.returncode == 2, result.stderr[-2000:]
     assert (f"sglang-kvx: error: no GateSight estimator was trained for {model}; train one with: "
             f"{TRAIN_MODULE} --model {model} (or pass --kvx-estimator DIR)") in result.stderr, result.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Hostile input: one real compacting server, well over 150 distinct malformed requests.
+"""Hostile input: the shared compacting server, well over 150 distinct malformed requests.
 
 Every malformed request must get a client error (4xx) naming what is wrong, or, where the design
 serves it (degenerate contexts), a 200 that says it was not compacted. After every 10 requests the
@@ -12,8 +12,6 @@ import json
 
 import pytest
 import requests
-
-from sglang_kvx.serve.launcher import ServerProcess
 
 from test_compaction_e2e import GREEDY, kvx, text, wait_idle
 
@@ -89,13 +87,12 @@ def shapes_of_kvx() -> list[tuple[str, object]]:
                                                           "large_list", "string_false", "deep_object")]
 
 
-@pytest.fixture(scope="module")
-def hostile(demo_paths, references):
-    server = ServerProcess(demo_paths["tiny-hybrid-deep"], "--kvx-policy", "knorm", "--kvx-keep-fraction", "0.5",
-                           "--kvx-decode-steps", "on", "--context-length", "4096", max_total_tokens=POOL)
-    server.start()
-    yield server, references["tiny-hybrid-deep"]
-    server.stop()
+@pytest.fixture
+def hostile(compacting_hybrid):
+    """The shared compacting hybrid (its pool: POOL slots), decode steps on."""
+    server, ref = compacting_hybrid
+    assert server.stats()["kv_pool_total_tokens"] == POOL
+    return server, ref
 
 
 class Checker:

@@ -2,9 +2,10 @@
 routing rule step by step (``sglang_kvx.reference.oda``: Local attempt, the head's score, a Full
 re-run from the restored pre-step state, commit of the chosen branch).
 
-One server per model (dense tiny-llama, hybrid tiny-hybrid-deep with GDN and conv states), each
-serving a recall head with seeded random weights written for the test: its scores fall on both
-sides of theta, so a request's steps mix Local and Full; the oracle runs the same head.
+The shared compacting server of each model (dense tiny-llama, hybrid tiny-hybrid-deep with GDN and
+conv states), each serving a recall head with seeded random weights written for the suite
+(``seeded_head``): its scores fall on both sides of theta, so a request's steps mix Local and
+Full; the oracle runs the same head.
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ import torch
 from sglang_kvx.config import KvxConfigError, build_config
 from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_config
 from sglang_kvx.reference.oda import always_full, always_local, head_route, oda_generate
-from sglang_kvx.serve.launcher import ServerProcess
 
 from test_compaction_e2e import GREEDY, compact, served_keep_set, stored, text, wait_idle
-
-pytestmark = pytest.mark.slow
 
 SINKS, WINDOW, NEW_TOKENS = 2, 16, 20
 
@@ -37,16 +35,11 @@ def seeded_head(model_path: str, name: str, out) -> RecallHead:
     return RecallHead.from_pretrained(out, model_path)
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid-deep"])
-def oda_server(request, demo_paths, references, tmp_path_factory):
-    name = request.param
-    head_dir = tmp_path_factory.mktemp(f"oda-{name}")
-    head = seeded_head(demo_paths[name], name, head_dir)
-    server = ServerProcess(demo_paths[name], "--kvx-decode-steps", "on", "--kvx-oda-head", str(head_dir),
-                           "--context-length", "2048", max_total_tokens=4096)
-    server.start()
-    yield name, server, references[name], head
-    server.stop()
+@pytest.fixture
+def oda_server(compacting, seeded_oda_heads, demo_paths):
+    """The shared compacting server of each model; it serves the seeded head (conftest: ``seeded_head``)."""
+    name, server, ref = compacting
+    return name, server, ref, RecallHead.from_pretrained(seeded_oda_heads[name], demo_paths[name])
 
 
 def oda(**options) -> dict:
@@ -68,6 +61,7 @@ def close(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 def test_routed_decoding_matches_the_oracle_step_for_step(oda_server):
     name, server, ref, head = oda_server
     prompt = ref.encode(text(60, seed=61))
@@ -82,6 +76,7 @@ def test_routed_decoding_matches_the_oracle_step_for_step(oda_server):
         assert report["flops"]["oda_flops"] > 0 and report["flops"]["full_flops"] > 0
 
 
+@pytest.mark.slow
 def test_fixed_schedules_always_local_and_always_full(oda_server):
     """theta above every score: Local at every step (the span oracle); below every score: Full at
     every step, which is plain greedy decoding exactly."""
@@ -99,6 +94,7 @@ def test_fixed_schedules_always_local_and_always_full(oda_server):
     assert local["output_ids"] != plain["output_ids"]  # the window mattered
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_equals_its_requests_run_alone(oda_server):
     """Rows of one batch take different branches: ODA rows at two thetas, a span-schedule row and
     a plain one, sent together, answer exactly as each sent alone; only the rows that chose Full
@@ -108,7 +104,8 @@ def test_a_mixed_batch_equals_its_requests_run_alone(oda_server):
     kinds = [oda(theta=0.0), oda(theta=0.5, window=8),
              {"custom_params": {"kvx": {"decode": {"step": "span_schedule", "sinks": 2, "window": 8, "full_every": 3}}}}, {}]
     alone = [run(server, p, **k) for p, k in zip(prompts, kinds)]
-    before = server.stats()["decode_partial_reruns"]
+    stats_before = server.stats()
+    before = stats_before["decode_partial_reruns"]
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda pk: run(server, pk[0], **pk[1]), zip(prompts, kinds)))
     for a, b in zip(alone, together):
@@ -116,11 +113,13 @@ def test_a_mixed_batch_equals_its_requests_run_alone(oda_server):
         assert close(logprobs(a), logprobs(b)) <= 1e-4
     assert server.stats()["decode_partial_reruns"] > before
     assert together[0]["output_ids"] == oda_generate(ref, prompts[0], NEW_TOKENS, SINKS, WINDOW, head_route(head)).tokens
-    stats = wait_idle(server, 4096)
-    assert stats["kv_pool_free_tokens"] + stats["kv_pool_evictable_tokens"] == 4096
-    assert stats["decode_rows"] == 0 and stats["oda_routed_steps"] > 0
+    total = stats_before["kv_pool_total_tokens"]
+    stats = wait_idle(server, total)
+    assert stats["kv_pool_free_tokens"] + stats["kv_pool_evictable_tokens"] == total
+    assert stats["decode_rows"] == 0 and stats["oda_routed_steps"] > stats_before["oda_routed_steps"]
 
 
+@pytest.mark.slow
 def test_bad_oda_options_are_refused_at_the_door(oda_server):
     name, server, ref, head = oda_server
     for options, fragment in [({"theta": "0.5"}, "theta must be a finite number"), ({"theta": True}, "theta"),
@@ -142,6 +141,7 @@ def test_a_server_without_a_matching_head_refuses_oda(demo_paths, tmp_path):
         build_config(model_path=demo_paths["tiny-llama"], decode='{"step": "oda", "theta": "x"}', oda_head=str(head_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["knorm", "pyramidkv"])
 def test_oda_over_a_compacted_prefix_matches_the_oracle(oda_server, policy):
     """A child of a compacted context runs ODA too: in each layer Local reads the first sinks and the

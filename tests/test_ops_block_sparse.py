@@ -180,6 +180,7 @@ def test_extra_cells_read_as_the_pool_cells_they_replace() -> None:
     assert torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.gpu
 def test_the_cupy_compression_matches_the_reference() -> None:
     from sglang_kvx.ops.state_snapshot import _cupy_available
 

@@ -133,6 +133,7 @@ def test_triton_kernel_round_trips_under_the_interpreter() -> None:
     assert len(checks) == 11 and all(checks.values()), checks
 
 
+@pytest.mark.gpu
 def test_cupy_kernel_round_trips() -> None:
     try:
         import cupy

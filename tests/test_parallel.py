@@ -18,7 +18,8 @@ import torch
 from sglang_kvx.models.tokenizer import WORDS
 from sglang_kvx.adapter.plugin import cpu_thread_binding
 from sglang_kvx.serve.affinity import ContextAffinity, prefix_hashes
-from sglang_kvx.serve.launcher import ServerProcess
+
+from server_pool import spec
 
 
 def test_children_follow_their_context_and_parents_spread() -> None:
@@ -68,25 +69,25 @@ def test_cpu_thread_binding_splits_the_cores(cores, ranks, expected) -> None:
 
 
 @pytest.mark.slow
-def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, references) -> None:
+def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, references, server_pool) -> None:
     name = "tiny-llama"
     ref = references[name]
     rng = random.Random(11)
     context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(200)) + "\n")
     questions = [ref.encode(f"Question {i}: which word comes next? Answer:") for i in range(4)]
     settings = {"custom_params": {"kvx": {"policy": "keydiff", "keep_fraction": 0.3}}}
-    with ServerProcess(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3", "--dp-size", "2",
-                       max_total_tokens=4096) as server:
-        response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+    server = server_pool.get(spec(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3", "--dp-size", "2",
+                                  max_total_tokens=4096))
+    response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+    assert response.status_code == 200, response.text
+    answers = []
+    for question in questions:
+        response = server.generate({"input_ids": context + question,
+                                    "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
         assert response.status_code == 200, response.text
-        answers = []
-        for question in questions:
-            response = server.generate({"input_ids": context + question,
-                                        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
-            assert response.status_code == 200, response.text
-            answers.append(response.json()["output_ids"])
-        ranks = server.stats()["ranks"]
-        keep_sets = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+        answers.append(response.json()["output_ids"])
+    ranks = server.stats()["ranks"]
+    keep_sets = requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
     assert len(ranks) == 2
     holding = [r for r in ranks if r["compacted_contexts"]]
     assert len(holding) == 1 and holding[0]["compacted_contexts"][0]["reuse_count"] == len(questions)
@@ -95,62 +96,59 @@ def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, r
         assert answer == ref.compacted_greedy(context, keep, question, 6)
 
 
+@pytest.fixture
+def two_ranks(demo_paths, references, server_pool):
+    """The one ``--tp-size 2`` server of the suite (the hybrid: one KV head, two of the four query
+    heads' output gates and two of the four value heads of every GDN layer on each rank)."""
+    name = "tiny-hybrid-deep"
+    return server_pool.get(spec(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
+                                "--tp-size", "2", max_total_tokens=4096)), references[name]
+
+
 @pytest.mark.slow
-def test_tensor_parallel_ranks_compact_their_own_heads(demo_paths, references) -> None:
+def test_tensor_parallel_ranks_compact_their_own_heads(two_ranks) -> None:
     """--tp-size 2: each rank holds one KV head and compacts it; children equal the oracle applying
-    the full keep-set (both heads) for a flat and a pyramid allocation. What would make the ranks
-    disagree is refused with the reason."""
+    the full keep-set (both heads) for flat and pyramid allocations and KVzip's second pass."""
     from sglang_kvx.policies import get_policy
     from sglang_kvx.reference.kvzip import reconstruction_attention
     from sglang_kvx.reference.signals import context_signals
     from sglang_kvx.select import choose_keep_set
 
-    name = "tiny-llama"
-    ref = references[name]
+    server, ref = two_ranks
+    failed = server.stats()["compactions_failed"]
     rng = random.Random(12)
     context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(200)) + "\n")
     question = ref.encode("Question: which word comes next? Answer:")
-    with ServerProcess(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3", "--tp-size", "2",
-                       max_total_tokens=4096) as server:
-        for policy in ("keydiff", "snapkv", "pyramidkv", "kvzip"):
-            # PyramidKV's reference budgets are flat unless its last layer keeps the 64-token window.
-            fraction = 0.6 if policy == "pyramidkv" else 0.3
-            settings = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": fraction}}}
-            response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
-            assert response.status_code == 200, response.text
-            deadline = time.monotonic() + 120  # KVzip: every rank runs the same reconstruction passes first
-            while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
-                time.sleep(0.2)
-            response = server.generate({"input_ids": context + question,
-                                        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
-            assert response.status_code == 200, response.text
-            signals = context_signals(ref, context)
-            if policy == "kvzip":
-                signals.reconstruction_attention = reconstruction_attention(ref, context)
-            keep = choose_keep_set(get_policy(policy)(), signals, fraction)
-            assert response.json()["output_ids"] == ref.compacted_greedy(context, keep.positions, question, 6), policy
-        stats = server.stats()
-    assert stats["compactions_failed"] == 0
+    for policy in ("keydiff", "snapkv", "pyramidkv", "kvzip"):
+        # PyramidKV's reference budgets are flat unless its last layer keeps the 64-token window.
+        fraction = 0.6 if policy == "pyramidkv" else 0.3
+        settings = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": fraction}}}
+        response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+        assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 120  # KVzip: every rank runs the same reconstruction passes first
+        while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        response = server.generate({"input_ids": context + question,
+                                    "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})
+        assert response.status_code == 200, response.text
+        signals = context_signals(ref, context)
+        if policy == "kvzip":
+            signals.reconstruction_attention = reconstruction_attention(ref, context)
+        keep = choose_keep_set(get_policy(policy)(), signals, fraction)
+        assert response.json()["output_ids"] == ref.compacted_greedy(context, keep.positions, question, 6), policy
+    stats = server.stats()
+    assert stats["compactions_failed"] == failed, stats["last_compaction_error"]
     assert sorted(c["policy"] for c in stats["compacted_contexts"]) == ["keydiff", "kvzip", "pyramidkv", "snapkv"]
 
 
-def test_start_up_refuses_a_policy_ranks_would_disagree_on(demo_paths) -> None:
+def test_start_up_refuses_a_policy_ranks_would_disagree_on(launch_parser, demo_paths) -> None:
     """Every served policy is rank-consistent; one that declares otherwise (``tp_unsafe``) is refused."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from sglang_kvx.policies import get_policy, servable_policy_names
 
     assert [p for p in servable_policy_names() if get_policy(p).tp_unsafe] == []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", demo_paths["tiny-llama"],
-         "--kvx-policy-modules", "throwaway_policy", "--kvx-policy", "_throwaway_rank_local", "--kvx-keep-fraction", "0.2",
-         "--tp-size", "2", "--max-total-tokens", "4096"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+    result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--kvx-policy-modules", "throwaway_policy",
+                                 "--kvx-policy", "_throwaway_rank_local", "--kvx-keep-fraction", "0.2",
+                                 "--tp-size", "2", "--max-total-tokens", "4096")
     assert result.returncode == 2 and "'_throwaway_rank_local' is not supported with --tp-size 2" in result.stderr, \
         result.stderr[-2000:]
 
@@ -165,39 +163,36 @@ def test_rank_kv_heads_follow_sglangs_split() -> None:
 
 
 @pytest.mark.slow
-def test_gatesight_and_gate_budgets_under_tensor_parallelism(demo_paths, references) -> None:
-    """--tp-size 2 on the hybrid: each rank holds one KV head, two of the four query heads' output
-    gates and two of the four value heads of every GDN layer. The ranks gather those signals, so
-    GateSight's features and the gate budgets are the whole model's: the keep-set equals the
-    single-rank server's, and the children equal the oracle applying it."""
-    name = "tiny-hybrid-deep"
-    ref = references[name]
+def test_gatesight_and_gate_budgets_under_tensor_parallelism(two_ranks, compacting_hybrid) -> None:
+    """--tp-size 2 on the hybrid: the ranks gather their output gates and GDN signals, so GateSight's
+    features and the gate budgets are the whole model's: the keep-set equals the single-rank
+    server's, and the children equal the oracle applying it."""
+    ref = compacting_hybrid[1]
     rng = random.Random(13)
     context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(260)) + "\n")
     questions = [ref.encode(f"Question {i}: which word comes next? Answer:") for i in range(2)]
     cases = [("gatesight", "gate", 0.2), ("gatesight", None, 0.1), ("snapkv", "gate", 0.3)]
 
-    def run(*flags: str) -> tuple[list, list, list]:
+    def run(server) -> tuple[list, list, list]:
         kept, keeps, answers = [], [], []
-        with ServerProcess(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", *flags,
-                           max_total_tokens=4096) as server:
-            for policy, allocation, fraction in cases:
-                kvx = {"policy": policy, "keep_fraction": fraction, **({"allocation": allocation} if allocation else {})}
-                settings = {"custom_params": {"kvx": kvx}}
-                response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
-                assert response.status_code == 200, response.text
-                entries = [e for e in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
-                           if e["policy"] == policy and e["keep_fraction"] == fraction]
-                assert len(entries) == 1
-                kept.append(entries[0]["kept_entries"])
-                keeps.append([torch.tensor(layer) for layer in entries[0]["positions"]])
-                answers.append([server.generate({"input_ids": context + q, "return_logprob": True, "sampling_params": {
-                    "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}}).json() for q in questions])
-            assert server.stats()["compactions_failed"] == 0
+        failed = server.stats()["compactions_failed"]
+        for policy, allocation, fraction in cases:
+            kvx = {"policy": policy, "keep_fraction": fraction, **({"allocation": allocation} if allocation else {})}
+            settings = {"custom_params": {"kvx": kvx}}
+            response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
+            assert response.status_code == 200, response.text
+            entries = [e for e in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()
+                       if e["policy"] == policy and e["keep_fraction"] == fraction]
+            assert len(entries) == 1
+            kept.append(entries[0]["kept_entries"])
+            keeps.append([torch.tensor(layer) for layer in entries[0]["positions"]])
+            answers.append([server.generate({"input_ids": context + q, "return_logprob": True, "sampling_params": {
+                "max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}}).json() for q in questions])
+        assert server.stats()["compactions_failed"] == failed, server.stats()["last_compaction_error"]
         return kept, keeps, answers
 
-    kept_1, keeps_1, answers_1 = run()
-    kept_2, keeps_2, answers_2 = run("--tp-size", "2")
+    kept_1, keeps_1, answers_1 = run(compacting_hybrid[0])
+    kept_2, keeps_2, answers_2 = run(two_ranks[0])
     assert kept_2 == kept_1  # every rank's budgets came from the whole model's gates
     for (policy, allocation, fraction), one, two, by_one, by_two in zip(cases, keeps_1, keeps_2, answers_1, answers_2):
         for layer_one, layer_two in zip(one, two):

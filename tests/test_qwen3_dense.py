@@ -8,6 +8,8 @@ from sglang_kvx.models.demo import build_demo_model
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.serve.launcher import ServerProcess
 
+from server_pool import spec
+
 pytestmark = pytest.mark.slow
 
 
@@ -23,7 +25,6 @@ def assert_serves_like_hf(server: ServerProcess, ref: HFReference) -> None:
     assert max(abs(a - b) for a, b in zip(served, ref.prompt_logprobs(prompt))) <= 1e-4
 
 
-def test_tiny_qwen3_matches_hf(tmp_path):
+def test_tiny_qwen3_matches_hf(tmp_path, server_pool):
     path = build_demo_model("tiny-qwen3", tmp_path / "tiny-qwen3")
-    with ServerProcess(path, max_total_tokens=4096) as server:
-        assert_serves_like_hf(server, HFReference(path))
+    assert_serves_like_hf(server_pool.get(spec(path, max_total_tokens=4096)), HFReference(path))

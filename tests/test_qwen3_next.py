@@ -11,16 +11,16 @@ from sglang_kvx.policies import get_policy
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.reference.signals import context_signals
 from sglang_kvx.select import choose_keep_set
-from sglang_kvx.serve.launcher import ServerProcess
-from tests.test_compaction_e2e import compact, generate, kvx, overlap, served_keep_set, stored, text
-from tests.test_qwen3_dense import assert_serves_like_hf
+from server_pool import spec
+from test_compaction_e2e import compact, generate, kvx, overlap, served_keep_set, stored, text
+from test_qwen3_dense import assert_serves_like_hf
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    """A tiny Qwen3-Next, toy GateSight estimators trained for it, and a server using them."""
+def qwen3_next_model(tmp_path_factory):
+    """A tiny Qwen3-Next, toy GateSight estimators trained for it, and its HF reference."""
     from sglang_kvx.training.train_gatesight import main as train
 
     root = tmp_path_factory.mktemp("qwen3-next")
@@ -28,10 +28,18 @@ def qwen3_next(tmp_path_factory):
     estimator = root / "estimator"
     train(["--model", str(path), "--out", str(estimator), "--train-docs", "3", "--heldout-docs", "1",
            "--lengths", "512", "--questions", "1", "--epochs", "2", "--tasks", "niah_single_1,vt"])
-    server = ServerProcess(path, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
-                           "--kvx-estimator", str(estimator), "--context-length", "4096", max_total_tokens=8192)
-    with server:
-        yield path, estimator, server, HFReference(path)
+    return path, estimator, HFReference(path)
+
+
+def qwen3_next_spec(path, estimator, *args: str, env: dict[str, str] | None = None):
+    return spec(path, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--kvx-estimator", str(estimator),
+                "--context-length", "4096", *args, max_total_tokens=8192, env=env)
+
+
+@pytest.fixture
+def qwen3_next(qwen3_next_model, server_pool):
+    path, estimator, ref = qwen3_next_model
+    return path, estimator, server_pool.get(qwen3_next_spec(path, estimator)), ref
 
 
 def test_full_cache_matches_hf(qwen3_next):
@@ -64,17 +72,15 @@ def test_compacted_child_matches_the_oracle(qwen3_next, policy, allocation):
     assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
 
 
-def test_gdn_signals_recomputed_on_the_gpu_route_match(qwen3_next):
+def test_gdn_signals_recomputed_on_the_gpu_route_match(qwen3_next_model, server_pool):
     """SGLang's own GDN kernels (GPU) hand nothing over: the signals are recomputed from
     Qwen3-Next's grouped-projection inputs around RadixLinearAttention, and give the same keep-set."""
-    path, estimator, _, ref = qwen3_next
-    server = ServerProcess(path, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--kvx-estimator",
-                           str(estimator), "--context-length", "4096", "--chunked-prefill-size", "128",
-                           max_total_tokens=8192, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
-    with server:
-        context = ref.encode(text(300, seed=5))
-        compact(server, context, "gatesight", 0.2, protected=4, allocation="gate")  # the recomputed gates too
-        served = served_keep_set(server, len(context), "gatesight", 0.2)
+    path, estimator, ref = qwen3_next_model
+    server = server_pool.get(qwen3_next_spec(path, estimator, "--chunked-prefill-size", "128",
+                                             env={"SGLANG_KVX_GDN_SIGNALS": "recompute"}))
+    context = ref.encode(text(300, seed=5))
+    compact(server, context, "gatesight", 0.2, protected=4, allocation="gate")  # the recomputed gates too
+    served = served_keep_set(server, len(context), "gatesight", 0.2)
     policy = get_policy("gatesight")(estimator=estimator, model_path=path)
     offline = choose_keep_set(policy, context_signals(ref, context, protected_prefix_len=4), 0.2, "gate")
     assert [s.shape[1] for s in served] == offline.kept_per_layer

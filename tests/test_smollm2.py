@@ -13,7 +13,8 @@ import pytest
 
 from sglang_kvx.models import smollm2
 from sglang_kvx.reference.hf import HFReference
-from sglang_kvx.serve.launcher import ServerProcess
+
+from server_pool import spec
 
 GREEDY = {"temperature": 0.0}
 
@@ -61,18 +62,18 @@ def test_conversion_is_not_redone(smollm2_path):
 
 
 @pytest.mark.slow
-def test_server_greedy_matches_hf(smollm2_path, smollm2_ref):
+def test_server_greedy_matches_hf(smollm2_path, smollm2_ref, server_pool):
     raw = "The quick brown fox jumps over the lazy dog. The quick brown"
     chat = smollm2_ref.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
-    with ServerProcess(smollm2_path, "--kvx-policy", "none", "--context-length", "2048", max_total_tokens=8192) as server:
-        # Raw text through SGLang's own tokenizer (as the eval suite sends it), no EOS stop.
-        response = server.generate({"text": raw, "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True}})
-        assert response.status_code == 200, response.text
-        assert response.json()["output_ids"] == smollm2_ref.greedy(smollm2_ref.encode(raw), 16)
-        # The chat template; the instruct model answers and stops on <|im_end|>.
-        response = server.generate({"input_ids": chat, "sampling_params": {**GREEDY, "max_new_tokens": 16}})
-        assert response.status_code == 200, response.text
-        body = response.json()
+    server = server_pool.get(spec(smollm2_path, "--kvx-policy", "none", "--context-length", "2048", max_total_tokens=8192))
+    # Raw text through SGLang's own tokenizer (as the eval suite sends it), no EOS stop.
+    response = server.generate({"text": raw, "sampling_params": {**GREEDY, "max_new_tokens": 16, "ignore_eos": True}})
+    assert response.status_code == 200, response.text
+    assert response.json()["output_ids"] == smollm2_ref.greedy(smollm2_ref.encode(raw), 16)
+    # The chat template; the instruct model answers and stops on <|im_end|>.
+    response = server.generate({"input_ids": chat, "sampling_params": {**GREEDY, "max_new_tokens": 16}})
+    assert response.status_code == 200, response.text
+    body = response.json()
     served = body["output_ids"]
     eos = smollm2_ref.tokenizer.eos_token_id
     answer = served[:-1] if served and served[-1] == eos else served

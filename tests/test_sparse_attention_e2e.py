@@ -1,6 +1,6 @@
 """``--kvx-sparse-attention``: block-sparse attention served by SGLang against the HF oracle.
 
-A real server per demo model (the dense Llama and the Qwen3.5-architecture hybrid), every attention
+The shared sparse server per demo model (the dense Llama and the Qwen3.5-architecture hybrid), every attention
 layer of every request attending through the kernel layer's block-sparse ops; the oracle is the
 transformers model with the rule written out in ``reference/sparse.py``. Greedy tokens equal and
 log-probabilities within 1e-4 over the prefill and the decode steps, with the budget biting (the
@@ -18,24 +18,21 @@ import requests
 import torch
 
 from sglang_kvx.reference.sparse import sparse_compacted_generate, sparse_greedy
-from sglang_kvx.serve.launcher import ServerProcess
+from server_pool import SPARSE_BUDGET
 
-from test_cli import launch, our_error_lines
+from test_cli import our_error_lines
 
-BUDGET = 32  # tokens per query: 8 blocks of a 150-token prompt's 38
+BUDGET = SPARSE_BUDGET  # tokens per query: 8 blocks of a 150-token prompt's 38
 PROMPT_LEN, NEW_TOKENS = 150, 24
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-hybrid-deep"])
-def sparse_server(request, demo_paths, references):
+@pytest.fixture(params=["tiny-llama", "tiny-hybrid-deep"])
+def sparse_server(request, shared_server, references):
     name = request.param
-    server = ServerProcess(demo_paths[name], "--kvx-sparse-attention", str(BUDGET), max_total_tokens=4096)
-    server.start()
-    yield name, server, references[name]
-    server.stop()
+    return name, shared_server("sparse", name), references[name]
 
 
-def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float], dict]:
+def generate(server, ids: list[int]) -> tuple[list[int], list[float], dict]:
     response = server.generate({"input_ids": ids, "return_logprob": True,
                                 "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
     assert response.status_code == 200, response.text
@@ -43,6 +40,7 @@ def generate(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[flo
     return body["output_ids"], [lp[0] for lp in body["meta_info"]["output_token_logprobs"]], body["meta_info"]
 
 
+@pytest.mark.slow
 def test_served_tokens_and_logprobs_match_the_oracle(sparse_server) -> None:
     name, server, reference = sparse_server
     prompt = [random.Random(7).randrange(10, 500) for _ in range(PROMPT_LEN)]
@@ -63,6 +61,7 @@ def test_served_tokens_and_logprobs_match_the_oracle(sparse_server) -> None:
     assert max(abs(a - b) for a, b in zip(again_logprobs, logprobs)) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_oracle(sparse_server) -> None:
     """QSA: each layer's kept entries regrouped into new blocks (GateSight's gate-proportional
     budgets on the hybrid, PyramidKV's on the dense model: layers keep different counts, the folded
@@ -101,7 +100,7 @@ def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_orac
     ("4", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 4"),
     ("many", "--kvx-sparse-attention must be a whole number >= 0, got 'many'"),
 ])
-def test_bad_budgets_fail_before_the_model_loads(demo_paths, value, expected) -> None:
-    result = launch("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--kvx-sparse-attention", *value.split())
+def test_bad_budgets_fail_before_the_model_loads(launch_parser, demo_paths, value, expected) -> None:
+    result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--kvx-sparse-attention", *value.split())
     assert result.returncode == 2, result.stderr[-2000:]
     assert our_error_lines(result.stderr) == [f"sglang-kvx: error: {expected}"]
