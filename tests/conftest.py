@@ -33,7 +33,8 @@ DEMO = ("tiny-llama", "tiny-hybrid-deep")
 TESTS = Path(__file__).resolve().parent
 
 # The pool holds this many servers at once (~2.7 GB each); the least recently used one goes first.
-MAX_LIVE_SERVERS = int(os.environ.get("KVX_TEST_MAX_SERVERS", "5"))
+# Under pytest-xdist each worker has a pool of its own: fewer each, for the same memory.
+MAX_LIVE_SERVERS = int(os.environ.get("KVX_TEST_MAX_SERVERS", "3" if os.environ.get("PYTEST_XDIST_WORKER") else "5"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -228,14 +229,36 @@ def launch_parser():
 # --- the end: what the suite cost ---------------------------------------------------------------
 
 
+def pool_summary(pool: ServerPool) -> dict:
+    return {"starts": pool.starts, "restarts": pool.restarts, "fresh": pool.fresh_starts}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, a worker hands its pool's figures to the controller, which prints them."""
+    pool = getattr(session.config, "_kvx_pool", None)
+    if pool is not None and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["kvx_pool"] = pool_summary(pool)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    summary = getattr(node, "workeroutput", {}).get("kvx_pool")
+    if summary is not None:
+        node.config.__dict__.setdefault("_kvx_worker_pools", []).append(summary)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    pool = getattr(config, "_kvx_pool", None)
+    """The suite's wall time and every server start (a guard against regrowth: the log shows both)."""
     wall = time.monotonic() - config._kvx_started
-    if pool is None:
-        terminalreporter.write_line(f"[kvx suite] wall {wall:.0f} s, no server started")
-        return
+    pools = list(getattr(config, "_kvx_worker_pools", []))
+    if getattr(config, "_kvx_pool", None) is not None:
+        pools.append(pool_summary(config._kvx_pool))
+    starts = [start for pool in pools for start in pool["starts"]]
+    fresh = sum(pool["fresh"] for pool in pools)
+    distinct = len({label for label, _ in starts})
     terminalreporter.write_line(
-        f"[kvx suite] wall {wall:.0f} s; server starts in this process: {len(pool.starts)} pooled "
-        f"({sum(s for _, s in pool.starts):.0f} s to ready, {pool.restarts} after a crash) + {pool.fresh_starts} fresh")
-    for label, seconds in pool.starts:
+        f"[kvx suite] wall {wall:.0f} s; server starts: {len(starts)} pooled ({distinct} configurations, "
+        f"{sum(seconds for _, seconds in starts):.0f} s to ready, {sum(p['restarts'] for p in pools)} after a crash) "
+        f"+ {fresh} fresh processes, over {len(pools)} pool(s)")
+    for label, seconds in starts:
         terminalreporter.write_line(f"  {seconds:5.1f} s  {label}")

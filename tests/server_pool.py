@@ -36,6 +36,13 @@ class ServerSpec:
     env: tuple[tuple[str, str], ...] = ()
 
     @property
+    def spins_when_idle(self) -> bool:
+        """Several ranks: SGLang's data-parallel controller and tensor-parallel schedulers keep a core
+        busy while idle (``--sleep-on-idle`` reaches neither), so such a server is not kept waiting."""
+        return any(flag in self.args and self.args[self.args.index(flag) + 1] != "1"
+                   for flag in ("--dp-size", "--tp-size"))
+
+    @property
     def label(self) -> str:
         return " ".join([Path(self.model_path).name, *self.args, f"pool={self.max_total_tokens}",
                          *(f"{k}={v}" for k, v in self.env)])
@@ -117,19 +124,29 @@ class ServerPool:
         if server is None:
             while len(self.live) >= self.max_live:
                 self._drop(next(iter(self.live)))
-            server = ServerProcess(server_spec.model_path, *server_spec.args,
-                                   max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
-                                   log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")
-            self.starting = True
-            try:
-                server.start()
-            finally:
-                self.starting = False
+            server = self._start(server_spec)
             self.starts.append((server_spec.label, server.startup_seconds or 0.0))
             self.live[server_spec] = server
         self.live.move_to_end(server_spec)
         self.used.add(server_spec)
         return server
+
+    def _start(self, server_spec: ServerSpec) -> ServerProcess:
+        """Start one server; once more on another port if another process took the free port first
+        (pytest-xdist workers pick ports at the same time)."""
+        for attempt in range(2):
+            server = ServerProcess(server_spec.model_path, *server_spec.args,
+                                   max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
+                                   log_path=self.log_dir / f"pooled-{len(self.starts):02d}-{attempt}.log")
+            self.starting = True
+            try:
+                return server.start()
+            except RuntimeError:
+                if attempt or "address already in use" not in server.log_tail(200).lower():
+                    raise
+            finally:
+                self.starting = False
+        raise AssertionError("unreachable")
 
     def reset_used(self) -> list[str]:
         """Flush every server the finished test used and check it whole; what went wrong, per server."""
@@ -149,6 +166,8 @@ class ServerPool:
                 self._drop(server_spec)
             if problem:
                 problems.append(f"[{server_spec.label}] {problem}")
+        for server_spec in [s for s in self.live if s.spins_when_idle and s not in self.used]:
+            self._drop(server_spec)  # idle since the last test that used it
         self.used.clear()
         return problems
 

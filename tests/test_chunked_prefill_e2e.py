@@ -22,7 +22,7 @@ from sglang_kvx.policies import servable_policy_names
 
 from server_pool import CHUNK
 
-CONTEXT_WORDS = 1500  # about 2,900 tokens: six chunks of 512
+CONTEXT_WORDS = 950  # about 1,850 tokens: four chunks of 512 (and KVzip's pass fits the shared servers' 4,096)
 
 
 def keep_sets(server, context: list[int]) -> dict[str, dict]:
@@ -50,7 +50,7 @@ def test_many_chunks_keep_what_one_chunk_keeps(shared_server, compacting_hybrid)
     chunked_server = shared_server("chunked", "tiny-hybrid-deep")
     rng = random.Random(17)
     context = ref.encode(" ".join(rng.choice(WORDS) for _ in range(CONTEXT_WORDS)) + "\n")
-    assert len(context) > 5 * CHUNK
+    assert len(context) > 3 * CHUNK
     chunked = keep_sets(chunked_server, context)
     whole = keep_sets(whole_server, context)
     assert sorted(chunked) == sorted(whole) == sorted(servable_policy_names())
