@@ -63,6 +63,40 @@ def references(demo_paths) -> dict[str, HFReference]:
     return {name: HFReference(path) for name, path in demo_paths.items()}
 
 
+class Oracle:
+    """HF oracle results several tests need, computed once per session: keyed by the model, the
+    token ids and the options, so every test asking for the same one shares it."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple, object] = {}
+
+    def _once(self, key: tuple, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    def signals(self, ref: HFReference, context: list[int], **options):
+        """``reference.signals.context_signals`` (a shallow copy: a caller may set fields on it)."""
+        import copy
+
+        from sglang_kvx.reference.signals import context_signals
+
+        key = ("signals", ref.model_path, tuple(context), tuple(sorted(options.items())))
+        return copy.copy(self._once(key, lambda: context_signals(ref, context, **options)))
+
+    def reconstruction(self, ref: HFReference, context: list[int], **options):
+        """``reference.kvzip.reconstruction_attention``: KVzip's second pass on HF."""
+        from sglang_kvx.reference.kvzip import reconstruction_attention
+
+        key = ("reconstruction", ref.model_path, tuple(context), tuple(sorted(options.items())))
+        return self._once(key, lambda: reconstruction_attention(ref, context, **options))
+
+
+@pytest.fixture(scope="session")
+def oracle() -> Oracle:
+    return Oracle()
+
+
 # --- the shared servers ------------------------------------------------------------------------
 
 
