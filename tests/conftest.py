@@ -185,8 +185,9 @@ def shared_specs(demo_paths, seeded_oda_heads):
 
 @pytest.fixture
 def shared_server(shared_specs, server_pool):
-    """``shared_server(kind, model)``: the running server of that shared configuration."""
-    return lambda kind, model: server_pool.get(shared_specs(kind, model))
+    """``shared_server(kind, model)``: the running server of that shared configuration (the compacting
+    ones, which most files use, stay up longest)."""
+    return lambda kind, model: server_pool.get(shared_specs(kind, model), hot=kind == "compacting")
 
 
 @pytest.fixture(params=DEMO)

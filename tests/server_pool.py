@@ -112,8 +112,11 @@ class ServerPool:
     fresh_starts: int = 0  # server processes tests marked fresh_process started themselves
     fresh_by_current: int = 0  # ... by the running test
     starting: bool = False  # the pool is starting a server (conftest's guard lets it through)
+    hot: set[ServerSpec] = field(default_factory=set)  # used by many files: the last to be stopped for room
 
-    def get(self, server_spec: ServerSpec) -> ServerProcess:
+    def get(self, server_spec: ServerSpec, hot: bool = False) -> ServerProcess:
+        """The running server of ``server_spec``, started if need be; ``hot``: one that many test files
+        use, which the pool stops for room only when every other live server is hot too."""
         if self.current is not None and self.current.get_closest_marker("slow") is None:
             raise RuntimeError(f"{self.current.nodeid} uses a real server: mark it slow")
         server = self.live.get(server_spec)
@@ -123,10 +126,13 @@ class ServerPool:
             server = None
         if server is None:
             while len(self.live) >= self.max_live:
-                self._drop(next(iter(self.live)))
+                cold = [s for s in self.live if s not in self.hot]
+                self._drop(cold[0] if cold else next(iter(self.live)))  # least recently used first
             server = self._start(server_spec)
             self.starts.append((server_spec.label, server.startup_seconds or 0.0))
             self.live[server_spec] = server
+        if hot:
+            self.hot.add(server_spec)
         self.live.move_to_end(server_spec)
         self.used.add(server_spec)
         return server
