@@ -16,6 +16,11 @@ tensor per attention layer and, on a hybrid, float32 beta, g and ||v|| of every 
 the whole context (both computed: what full-context copies of all layers would hold; GateSight
 is scored chunk by chunk inside the prefill, so it holds neither). ``--check-chunking`` compacts the same
 contexts on a second server prefilling each in one chunk and reports whether the keep-sets match.
+
+``--url server=URL`` / ``--url one_chunk=URL`` run against servers already running (each is flushed
+first, then used as it was launched): the pool and chunk size reported are theirs (``perf/served.py``),
+and one that cannot hold the run (context length under 2 n + 512 for KVzip's passes, another model,
+a "one-chunk" server that chunks the context) is refused.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ import requests
 
 from sglang_kvx.policies import servable_policy_names
 from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import agree, describe  # perf/ is on the path when run as a script
+
+ARMS = ("server", "one_chunk")  # the main server; the one-chunk server of --check-chunking
 
 
 STEP_TIMEOUT_S = 3600  # stats wait for the scheduler's step: one KVzip pass over a 64K context is minutes on CPU
@@ -51,18 +59,33 @@ def main() -> None:
     parser.add_argument("--check-chunking", action="store_true",
                         help="also compact every context on a one-chunk server and compare the keep-sets")
     parser.add_argument("--skip-capacity", action="store_true", help="skip the sessions-per-pool count")
+    add_url_option(parser, ARMS)
     args = parser.parse_args()
+    urls = urls_from_args(parser, args.url, ARMS)
+    if "one_chunk" in urls and not args.check_chunking:
+        parser.error("--url one_chunk=URL is the server of --check-chunking: pass --check-chunking too")
     ensure_demo_models()
     n, p = args.context, args.keep_fraction
+    path = weights_root() / args.model
     policies = servable_policy_names()
-    result: dict = {"model": args.model, "context_tokens": n, "keep_fraction": p, "pool_tokens": args.pool}
-    flags = ["--kvx-policy", "streamingllm", "--kvx-keep-fraction", str(p), "--context-length", str(2 * n + 512)]  # KVzip's pass
+    context_length = 2 * n + 512  # KVzip's reconstruction passes
+    flags = ["--kvx-policy", "streamingllm", "--kvx-keep-fraction", str(p), "--context-length", str(context_length)]
     chunking = [] if args.chunked_prefill_size is None else ["--chunked-prefill-size", str(args.chunked_prefill_size)]
     env = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}  # RoPE past the demo models' 32K training length
-    config = json.loads((weights_root() / args.model / "config.json").read_text())
-    result["chunked_prefill_size"] = args.chunked_prefill_size
-    server = ServerProcess(weights_root() / args.model, *flags, *chunking, max_total_tokens=args.pool, env=env)
+    config = json.loads((path / "config.json").read_text())
+    server = server_or_url(urls.get("server"), path, *flags, *chunking, max_total_tokens=args.pool, env=env)
     with server:
+        if "server" in urls:  # its pool and chunk size stand, and only this run's contexts are counted
+            served = describe(server.url)
+            served.require_model(path)
+            served.require_context(context_length, f"a {n}-token context with KVzip's reconstruction passes")
+            pool = agree(parser, args, "pool", served.pool_tokens, server.url)
+            chunk = agree(parser, args, "chunked_prefill_size", served.chunked_prefill_size, server.url)
+            server.flush()
+        else:
+            pool, chunk = args.pool, args.chunked_prefill_size
+        result: dict = {"model": args.model, "context_tokens": n, "keep_fraction": p, "pool_tokens": pool,
+                        "chunked_prefill_size": chunk}
         url = server.url
 
         def prefill(ids, kvx):
@@ -138,20 +161,33 @@ def main() -> None:
 
         sessions = 0
         while not args.skip_capacity and room() >= n + 64:
+            done = server.stats()["compactions_done"]
             prefill(context_ids(n, 5000 + sessions), {"policy": "streamingllm", "keep_fraction": p})
+            # A parent prefilled but left uncompacted (no room beside it for its kept entries) goes back to
+            # the radix cache as evictable: the room stays the same and the loop would never end.
+            if server.stats()["compactions_done"] == done:
+                break
             sessions += 1
         if not args.skip_capacity:
             result["compacted_sessions_fit"] = sessions
-            result["uncompacted_sessions_fit"] = args.pool // n
-            result["sessions_ratio"] = round(sessions / max(1, args.pool // n), 2)
+            result["uncompacted_sessions_fit"] = pool // n
+            result["sessions_ratio"] = round(sessions / max(1, pool // n), 2)
             result["store_slots"] = server.stats()["store_slots"]
     server.wait_for_exit()  # its memory back before the next server sizes its pool
     if args.check_chunking:
         # SGLang derives its default --mem-fraction-static from the chunk size; past ~16K it turns
         # negative on a small machine, so name one (the pool is --max-total-tokens either way).
-        one_chunk = ServerProcess(weights_root() / args.model, *flags, "--chunked-prefill-size", str(n + 1024),
+        one_chunk = server_or_url(urls.get("one_chunk"), path, *flags, "--chunked-prefill-size", str(n + 1024),
                                   "--mem-fraction-static", "0.8", max_total_tokens=args.pool, env=env)
         with one_chunk:
+            if "one_chunk" in urls:
+                served = describe(one_chunk.url)
+                served.require_model(path)
+                served.require_context(context_length, f"a {n}-token context with KVzip's reconstruction passes")
+                if 0 < served.chunked_prefill_size < n:
+                    served.refuse(f"it prefills in chunks of {served.chunked_prefill_size} tokens: "
+                                  f"not a one-chunk server for a {n}-token context")
+                one_chunk.flush()
             for i, policy in enumerate(policies):
                 requests.post(one_chunk.url + "/generate", json={"input_ids": context_ids(n, i), "sampling_params": {
                     "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}},

@@ -14,6 +14,10 @@ Memory: the request's own report (live entries per layer after the last step; de
 pool's used KV bytes sampled from ``/kvx/stats`` during the generation (physical: what the pool
 holds), and the logical live bytes the deletions leave, against the theoretical (1 - deletion rate).
 Prints one JSON object; ratios are measured in one run.
+
+``--url URL`` runs the arms on a server already running (used as launched, flushed before each arm):
+it must serve the cell with decode steps on, no default step (``plain`` is plain decoding) and a
+context of the prompt plus the generation; the memory figures are its pool's (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from bench_oda import decode_seconds_per_step  # perf/ is on the path when run a
 
 from sglang_kvx.config import read_gate_tau
 from sglang_kvx.eval.gate_eviction import split_windows
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import describe  # perf/ is on the path when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,15 +68,21 @@ def stream(url: str, body: dict) -> tuple[float, dict, int]:
 
 
 def run_arms(path: Path, prompt: list[int], arms: dict[str, dict | None], new_tokens: int,
-             repeats: int) -> tuple[dict[str, list[float]], dict, dict[str, int], dict]:
-    """One server (``--kvx-decode-steps on``, context stretched to fit); each arm's decode step
-    (None: plain) greedy over ``prompt``, the arms interleaved over ``repeats`` rounds, the prefix
-    cache flushed before each. Returns each arm's seconds per step per round, its last report, the
-    pool's peak used KV bytes while it ran, and the server's final ``/kvx/stats``."""
+             repeats: int, url: str | None = None) -> tuple[dict[str, list[float]], dict, dict[str, int], dict]:
+    """One server (``--kvx-decode-steps on``, context stretched to fit; or the one at ``url``, checked
+    to serve the same); each arm's decode step (None: plain) greedy over ``prompt``, the arms
+    interleaved over ``repeats`` rounds, the prefix cache flushed before each. Returns each arm's
+    seconds per step per round, its last report, the pool's peak used KV bytes while it ran, and the
+    server's final ``/kvx/stats``."""
     context = len(prompt) + new_tokens + 8
+    if url:
+        served = describe(url)
+        served.require_model(path)
+        served.require_plain_decoding()
+        served.require_context(context, f"a {len(prompt)}-token prompt and {new_tokens} new tokens")
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     reports, peaks = {}, {}
-    with ServerProcess(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
+    with server_or_url(url, path, "--dtype", "float32", "--kvx-decode-steps", "on", "--context-length", str(context),
                        max_total_tokens=2 * context, env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}) as server:
         for _ in range(repeats):
             for arm, decode in arms.items():
@@ -93,14 +104,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=2048, help="tokens generated per request (default: 2048)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three arms (default: 3)")
     parser.add_argument("--tau", type=float, default=None, help="threshold of the 'gate' arm (default: the checkpoint's tau*)")
+    add_url_option(parser, ("server",))
     args = parser.parse_args()
+    url = urls_from_args(parser, args.url, ("server",)).get("server")
     path = ROOT / "weights" / "gated" / args.cell
     tau = args.tau if args.tau is not None else read_gate_tau(path)
     if tau is None:
         raise SystemExit(f"{path} has no frozen tau; pass --tau or run perf/bench_gate_eviction.py --write-tau")
     prompt = split_windows(path, "test", length=args.prompt, limit=1)[0].tolist()
     arms = {"plain": None, "gate_tau0": {"step": "sigmoid-gate", "tau": 0.0}, "gate": {"step": "sigmoid-gate", "tau": tau}}
-    times, reports, peaks, stats = run_arms(path, prompt, arms, args.new_tokens, args.repeats)
+    times, reports, peaks, stats = run_arms(path, prompt, arms, args.new_tokens, args.repeats, url)
     bytes_per_entry = stats["kv_bytes_total"] // stats["kv_pool_total_tokens"]  # one position, all layers
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     cached = args.prompt + args.new_tokens - 1

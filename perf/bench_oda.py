@@ -21,6 +21,11 @@ per-step seconds and the speedup over ``full`` (ratios measured in one run), the
 (the shortest where the 0%-rate arm beats ``full``), and the FLOPs each arm's schedule implies
 (``sglang_kvx.decode.flops``, Eqs. 24-25 of the seed: computed, not measured). Also the cost of one
 head scoring and of one row's GDN state snapshot + restore, as fractions of a Local step.
+
+``--url URL`` runs against a server already running (used as launched): it must serve the model,
+decode steps on and no default step (``full`` is plain decoding), a context of the longest length
+plus the new tokens, and a recall head, whose folder (its ``--kvx-oda-head``, else the one found for
+its model) is then the head timed and reported (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from sglang_kvx.config import find_recall_head
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_config
 from sglang_kvx.models.demo import ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import describe  # perf/ is on the path when run as a script
 
 NEVER = 1 << 24
 RATES = {"local_first_0": NEVER, "local_first_12.5": 8, "local_first_50": 2, "local_first_100": 1}
@@ -138,7 +144,9 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the JSON object here, after every length")
     parser.add_argument("--prompts", default="random",
                         help="random (token ids) or a suite task, e.g. niah_single_1 (its sample of each length)")
+    add_url_option(parser, ("server",))
     args = parser.parse_args()
+    url = urls_from_args(parser, args.url, ("server",)).get("server")
     from sglang_kvx.eval.tasks import TASKS
 
     if args.prompts != "random" and args.prompts not in TASKS:
@@ -147,14 +155,28 @@ def main() -> None:
     path = weights_root() / args.model
     lengths = [int(n) for n in args.lengths.split(",")]
     cfg = load_model_config(path)
-    head_dir = args.head or find_recall_head(str(path))
-    head_note = "trained head" if head_dir else "seeded random head (cost only)"
-    if not head_dir:
-        head_dir = str(seeded_head(path, Path(tempfile.mkdtemp()) / "head", args.sinks, args.window))
     top = max(lengths) + args.new_tokens + 64
+    if url:  # the server's own head is the one routing and timed
+        served = describe(url)
+        served.require_model(path)
+        served.require_plain_decoding()
+        served.require_context(top, f"a {max(lengths)}-token prompt and {args.new_tokens} new tokens")
+        served.require_pool(2 * top + 512, "keeping the longest prompt cached for every arm")
+        head_dir = served.oda_head
+        if not head_dir:
+            served.refuse("it serves no recall head (--kvx-oda-head): the oda arm needs one")
+        if args.head and Path(args.head).resolve() != Path(head_dir).resolve():
+            parser.error(f"--head {args.head}: the server at {url} serves the head in {head_dir} (drop --head)")
+        note = json.loads((Path(head_dir) / "manifest.json").read_text()).get("note")
+        head_note = f"the server's head {head_dir}" + (f" ({note})" if note else "")
+    else:
+        head_dir = args.head or find_recall_head(str(path))
+        head_note = "trained head" if head_dir else "seeded random head (cost only)"
+        if not head_dir:
+            head_dir = str(seeded_head(path, Path(tempfile.mkdtemp()) / "head", args.sinks, args.window))
     # A long prefill chunk of a real model runs for minutes on CPU: past SGLang's 300 s watchdog, which
     # kills the scheduler (SmolLM2's fourth 8K chunk at 32K did).
-    server = ServerProcess(path, "--kvx-decode-steps", "on", "--kvx-oda-head", head_dir, "--context-length", str(top),
+    server = server_or_url(url, path, "--kvx-decode-steps", "on", "--kvx-oda-head", head_dir, "--context-length", str(top),
                            "--chunked-prefill-size", "8192", "--watchdog-timeout", "7200",
                            max_total_tokens=2 * top + 512,  # the cached prompt never evicted
                            env={"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"})

@@ -14,6 +14,11 @@ saw — its manifest records the seeds it used) is answered greedily under:
 The prefill is Full in every arm (the paper's handoff), so arms differ from the second answer token
 on. Prints one JSON object: per arm the suite's score (RULER metric x 100), the realised Full-call
 rate, and for ODA the share of the Full-Local gap it recovers ((oda - local) / (full - local)).
+
+``--url URL`` runs against a server already running (used as launched): it must serve the model,
+decode steps on and no default step (``full`` is plain decoding), a context of ``--length`` + 256
+and a recall head, whose folder (its ``--kvx-oda-head``, else the one found for its model) is then
+the head reported (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
 
 import requests
 from tqdm import tqdm
@@ -29,7 +35,8 @@ from transformers import AutoTokenizer
 from sglang_kvx.eval.scoring import METRICS, postprocess
 from sglang_kvx.eval.tasks import generate_sample
 from sglang_kvx.models.demo import ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import describe  # perf/ is on the path when run as a script
 
 NEVER = 1 << 24
 
@@ -58,7 +65,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0,
                         help="suite seed (default 0, the test split; a head's held-out seed, 3000001, compares "
                              "training recipes without reading the test split)")
+    add_url_option(parser, ("server",))
     args = parser.parse_args()
+    url = urls_from_args(parser, args.url, ("server",)).get("server")
     ensure_demo_models()
     path = weights_root() / args.model if not args.model.startswith(("/", ".")) else args.model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -67,8 +76,19 @@ def main() -> None:
                for task in tasks for i in range(args.samples)]
     span = {"sinks": args.sinks, "window": args.window}
     thetas = [float(t) for t in args.thetas.split(",") if t]
+    head = args.head or "the model's trained head"
+    if url:  # the server's own head routes
+        served = describe(url)
+        served.require_model(path)
+        served.require_plain_decoding()
+        served.require_context(args.length + 256, f"a {args.length}-token prompt and its answer")
+        if not served.oda_head:
+            served.refuse("it serves no recall head (--kvx-oda-head): the oda arms need one")
+        if args.head and Path(args.head).resolve() != Path(served.oda_head).resolve():
+            parser.error(f"--head {args.head}: the server at {url} serves the head in {served.oda_head} (drop --head)")
+        head = served.oda_head
     extra = ("--kvx-oda-head", args.head) if args.head else ()
-    server = ServerProcess(path, "--kvx-decode-steps", "on", *extra, "--context-length", str(args.length + 256),
+    server = server_or_url(url, path, "--kvx-decode-steps", "on", *extra, "--context-length", str(args.length + 256),
                            max_total_tokens=4 * (args.length + 256))
     scores: dict[str, list[float]] = defaultdict(list)
     rates: dict[str, list[float]] = defaultdict(list)
@@ -92,7 +112,7 @@ def main() -> None:
     finally:
         server.stop()
     result: dict = {"model": args.model, "length": args.length, "seed": args.seed, "tasks": tasks,
-                    "samples_per_task": args.samples, "head": args.head or "the model's trained head",
+                    "samples_per_task": args.samples, "head": head,
                     "sinks": args.sinks, "window": args.window, "arms": {}}
     for name, values in scores.items():
         result["arms"][name] = {"score": round(100 * sum(values) / len(values), 2),

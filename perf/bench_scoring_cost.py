@@ -9,6 +9,10 @@ Prints one JSON object; every ratio is measured within one run.
 - KVzip (HF transformers, the offline producer): time of its context-reconstruction second pass
   against the HF prefill of the same context. Both sides run in HF, so the ratio compares like
   with like (the server cannot run KVzip's pass yet).
+
+``--url URL`` runs GateSight's side on a server already running (used as launched, flushed per
+length): it must serve the model, a context longer than the longest length and prefill each
+context in one chunk, as the server the script starts does (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import requests
 import torch
 
 from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import describe  # perf/ is on the path when run as a script
+
+
+WARM_UP = 512  # tokens of the warm-up contexts
 
 
 def context_ids(n: int, seed: int) -> list[int]:
@@ -30,9 +38,18 @@ def context_ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 500) for _ in range(n)]
 
 
-def gatesight_costs(model: str, contexts: list[int], keep_fraction: float) -> dict:
+def gatesight_costs(model: str, contexts: list[int], keep_fraction: float, url: str | None = None) -> dict:
+    """GateSight's costs per context length on a server of its own, or on the one at ``url``."""
     longest = max(contexts)
-    server = ServerProcess(
+    if url:
+        served = describe(url)
+        served.require_model(weights_root() / model)
+        served.require_context(max(longest, WARM_UP) + 1, f"a {max(longest, WARM_UP)}-token context")
+        if 0 < served.chunked_prefill_size < longest:
+            served.refuse(f"it prefills in chunks of {served.chunked_prefill_size} tokens: the "
+                          f"{longest}-token context would not be one chunk (the prefill compared against)")
+    server = server_or_url(
+        url,
         weights_root() / model, "--kvx-policy", "gatesight", "--kvx-keep-fraction", str(keep_fraction),
         "--context-length", str(longest + 512), "--chunked-prefill-size", str(longest),
         "--mem-fraction-static", "0.3",  # SGLang derives a negative one from a large chunked prefill on CPU
@@ -44,8 +61,8 @@ def gatesight_costs(model: str, contexts: list[int], keep_fraction: float) -> di
             r = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0, "custom_params": {"kvx": kvx}}}, timeout=1200)
             r.raise_for_status()
 
-        prefill(context_ids(512, 7), {"compact": False})  # warm-up: the plain prefill path
-        prefill(context_ids(512, 8), {"policy": "gatesight", "keep_fraction": keep_fraction})  # and the capture/scoring path
+        prefill(context_ids(WARM_UP, 7), {"compact": False})  # warm-up: the plain prefill path
+        prefill(context_ids(WARM_UP, 8), {"policy": "gatesight", "keep_fraction": keep_fraction})  # and the capture/scoring path
         for n in contexts:
             server.flush()
             times = []
@@ -105,14 +122,16 @@ def main() -> None:
     parser.add_argument("--contexts", default="4096,8192,16384")
     parser.add_argument("--kvzip-contexts", default="4096", help="KVzip's HF pass is slow on CPU; keep this short")
     parser.add_argument("--keep-fraction", type=float, default=0.1)
+    add_url_option(parser, ("server",))
     args = parser.parse_args()
+    url = urls_from_args(parser, args.url, ("server",)).get("server")
     torch.set_num_threads(1)
     ensure_demo_models()
     contexts = [int(x) for x in args.contexts.split(",")]
     result = {
         "model": args.model,
         "keep_fraction": args.keep_fraction,
-        "gatesight": gatesight_costs(args.model, contexts, args.keep_fraction),
+        "gatesight": gatesight_costs(args.model, contexts, args.keep_fraction, url),
         "kvzip": kvzip_costs(args.model, [int(x) for x in args.kvzip_contexts.split(",") if x]),
     }
     print(json.dumps(result, indent=1))

@@ -37,6 +37,12 @@ What counts, all measured from the server's answers:
   - ``questions_per_s``: questions answered / the workload's wall time (commits and re-sent
     parents included); ``latency_p50_s`` / ``latency_p99_s``: per question request, end to end.
 Prints one JSON object.
+
+``--url off=URL`` / ``--url on=URL`` run an arm against a server already running (flushed before the
+workload, used as launched): the ``off`` arm's must serve ``--kvx-policy none``, the ``on`` arm's a
+compacting policy, which the ``on`` arm's parents then use (their requests name none), and both
+arms one pool size; ``pool_tokens``, ``policy``, ``keep_fraction`` and each arm's
+``server_flags`` are then the servers' own (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ import time
 import numpy as np
 
 from sglang_kvx.models.demo import DEFAULT_MODEL, ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import Served, agree, describe  # perf/ is on the path when run as a script
 
 TASK = "niah_single_2"  # one fact in a per-sample essay: documents share only the task's introduction
+ARMS = ("off", "on")
 
 
 def build_documents(count: int, length: int, seed: int) -> list[dict]:
@@ -73,10 +81,26 @@ def peak_overlap(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
-def run_arm(name: str, args, docs: list[dict]) -> dict:
+def served_arm(name: str, url: str, args) -> Served:
+    """The server at ``url`` for arm ``name``, refused unless it can run that arm of this workload."""
+    served = describe(url)
+    served.require_model(weights_root() / args.model)
+    served.require_context(args.length + 256, f"a {args.length}-token document, its question and answer")
+    if name == "off" and served.policy != "none":
+        served.refuse(f"the 'off' arm needs --kvx-policy none; it serves {served.policy}")
+    if name == "on" and served.policy == "none":
+        served.refuse("the 'on' arm needs a compacting --kvx-policy (its parents name none); it serves none")
+    return served
+
+
+def run_arm(name: str, args, docs: list[dict], served: Served | None = None) -> dict:
+    """One arm's workload on a server of its own, or on ``served`` (``--url``) as it was launched."""
     on = name == "on"
     flags = ["--kvx-policy", args.policy, "--kvx-keep-fraction", str(args.keep_fraction)] if on else ["--kvx-policy", "none"]
-    server = ServerProcess(weights_root() / args.model, *flags, "--context-length", str(args.length + 256), max_total_tokens=args.pool)
+    server = server_or_url(served and served.url, weights_root() / args.model, *flags,
+                           "--context-length", str(args.length + 256), max_total_tokens=args.pool)
+    if served is not None:
+        flags = [served.flags]
     kvx = {"custom_params": {"kvx": {}}} if on else {}
     state = [{"tokens": None, "since": None, "lock": threading.Lock()} for _ in docs]
     jobs = [(r, s) for r in range(args.questions) for s in range(len(docs))]  # round-robin
@@ -209,14 +233,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents (default %(default)s)")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between /kvx/stats polls (default %(default)s)")
     parser.add_argument("--arms", default="off,on", help="arms to run, in order (default %(default)s)")
+    add_url_option(parser, ARMS)
     args = parser.parse_args()
+    urls = urls_from_args(parser, args.url, ARMS)
+    names = args.arms.split(",")
+    if unused := [name for name in urls if name not in names]:
+        parser.error(f"--url {unused[0]}=...: the arm does not run (--arms {args.arms})")
     ensure_demo_models()
+    pool, policy, keep_fraction = args.pool, args.policy, args.keep_fraction
+    served = {name: served_arm(name, url, args) for name, url in urls.items()}
+    if served:  # the servers' own settings stand: one pool for every arm, the 'on' server's policy
+        pools = {served[name].pool_tokens if name in served else args.pool for name in names}
+        if len(pools) > 1:
+            parser.error(f"the arms would run on pools of {sorted(pools)} tokens: they must share one pool size "
+                         "(pass --pool to match a started arm to a --url one)")
+        pool = agree(parser, args, "pool", pools.pop(), ", ".join(urls.values()))
+        if "on" in served:
+            policy = agree(parser, args, "policy", served["on"].policy, urls["on"])
+            keep_fraction = agree(parser, args, "keep_fraction", served["on"].keep_fraction, urls["on"])
     docs = build_documents(args.sessions, args.length, args.seed)
     result = {
-        "model": args.model, "pool_tokens": args.pool, "length": args.length, "task": TASK, "seed": args.seed,
+        "model": args.model, "pool_tokens": pool, "length": args.length, "task": TASK, "seed": args.seed,
         "sessions": args.sessions, "questions_per_session": args.questions, "clients": args.clients,
-        "policy": args.policy, "keep_fraction": args.keep_fraction,
-        "arms": {name: run_arm(name, args, docs) for name in args.arms.split(",")},
+        "policy": policy, "keep_fraction": keep_fraction,
+        "arms": {name: run_arm(name, args, docs, served.get(name)) for name in names},
     }
     print(json.dumps(result, indent=1))
 

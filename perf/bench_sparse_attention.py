@@ -22,6 +22,12 @@ In one run:
    of the kept fraction, at each of ``--scan-lengths``, median of ``--repeats``; and per row count a
    least-squares line seconds = fixed + per_block * blocks over all its points, which separates the
    per-call cost from the part that scales with the index. Prints one JSON object.
+
+``--url dense=URL`` / ``--url sparse=URL`` run an arm on a server already running (used as launched;
+requests name their policy): the dense arm's must attend densely and hold the longest index context,
+the sparse arm's must run ``--kvx-sparse-attention``, whose budget is then the one reported and
+scanned (``--budget`` may only repeat it), both the model and a context of ``--length`` plus the
+answer (``perf/served.py``).
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ from sglang_kvx.eval.runner import evaluate, summarize
 from sglang_kvx.eval.tasks import generate_sample
 from sglang_kvx.models.demo import ensure_demo_models, weights_root
 from sglang_kvx.ops.block_sparse import BLOCK, select_blocks
-from sglang_kvx.serve.launcher import ServerProcess
+from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from served import agree, describe  # perf/ is on the path when run as a script
 
+ARMS = ("dense", "sparse")
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multiquery,niah_multivalue,vt,qa_1"
 
 
@@ -139,7 +147,9 @@ def main() -> None:
                              "(default: model,16x2x256, Qwen3-Next's attention layers)")
     parser.add_argument("--repeats", type=int, default=20, help="timed scans per point (default: 20)")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="tokens per answer (default: 24)")
+    add_url_option(parser, ARMS)
     args = parser.parse_args()
+    urls = urls_from_args(parser, args.url, ARMS)
     ensure_demo_models()
     path = Path(args.model) if args.model.startswith(("/", ".")) else weights_root() / args.model
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -158,13 +168,24 @@ def main() -> None:
     index_lengths = [int(x) for x in args.index_lengths.split(",") if x]
     context_length = args.length + args.max_new_tokens + 128
     server_args = ("--kvx-policy", args.policy)
+    # The dense server also holds the longest index context (its compaction is the sparse one's).
+    longest = {"dense": max([context_length, *(n + 128 for n in index_lengths)]), "sparse": context_length}
+    budget = args.budget
+    for arm, url in urls.items():
+        served = describe(url)
+        served.require_model(path)
+        served.require_context(longest[arm], "the " + ("longest index context" if arm == "dense" else "prompts"))
+        if arm == "dense" and served.sparse_budget:
+            served.refuse(f"the dense arm needs dense attention; it runs --kvx-sparse-attention {served.sparse_budget}")
+        if arm == "sparse":
+            if not served.sparse_budget:
+                served.refuse("the sparse arm needs --kvx-sparse-attention; it attends densely")
+            budget = agree(parser, args, "budget", served.sparse_budget, url)
     result: dict = {"model": args.model, "length": args.length, "tasks": tasks, "samples_per_task": args.samples,
-                    "budget_tokens": args.budget, "policy": args.policy, "fraction": args.fraction, "accuracy": {}}
-    for arm, extra in (("dense", ()), ("sparse", ("--kvx-sparse-attention", str(args.budget)))):
-        # The dense server also holds the longest index context (its compaction is the sparse one's).
-        longest = max([context_length, *(n + 128 for n in index_lengths)]) if arm == "dense" else context_length
-        with ServerProcess(path, *server_args, *extra, "--context-length", str(longest),
-                           max_total_tokens=max(8 * context_length, 4 * longest)) as server:
+                    "budget_tokens": budget, "policy": args.policy, "fraction": args.fraction, "accuracy": {}}
+    for arm, extra in (("dense", ()), ("sparse", ("--kvx-sparse-attention", str(budget)))):
+        with server_or_url(urls.get(arm), path, *server_args, *extra, "--context-length", str(longest[arm]),
+                           max_total_tokens=max(8 * context_length, 4 * longest[arm])) as server:
             rows = evaluate(server.url, tasks, args.length, args.samples, [args.policy], [args.fraction],
                             max_new_tokens=args.max_new_tokens, tokenizer=tokenizer)
             means = summarize(rows)
@@ -183,7 +204,7 @@ def main() -> None:
     scan_rows = [int(x) for x in args.scan_rows.split(",") if x]
     result["model_shape"] = "{}x{}x{}".format(*own)
     result["scan_per_decode_step"] = {
-        name: {f"rows{rows}": scan_table(scan_lengths, fractions, rows, shape, args.budget // BLOCK, args.repeats)
+        name: {f"rows{rows}": scan_table(scan_lengths, fractions, rows, shape, budget // BLOCK, args.repeats)
                for rows in scan_rows}
         for name, shape in tqdm(shapes.items(), desc="scan timing")}
     print(json.dumps(result, indent=2))

@@ -14,6 +14,8 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
     stats = {
         "policy": config.policy,
         "keep_fraction": config.keep_fraction,
+        # Every --kvx-* setting the server runs with (a benchmark pointed at it with --url reads them).
+        "settings": config.to_dict(),
         "kv_pool_total_tokens": int(scheduler.max_total_num_tokens),
         "kv_pool_free_tokens": int(allocator.available_size()),
         # Tokens held by the radix cache that no running request uses: free on demand.
