@@ -196,5 +196,7 @@ class ServerPool:
         server.wait_for_exit()  # its memory is back before the next server sizes its pool
 
     def close(self) -> None:
+        for server in self.live.values():
+            server.terminate()  # all at once: they shut down side by side
         for server_spec in list(self.live):
             self._drop(server_spec)

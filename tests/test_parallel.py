@@ -68,6 +68,27 @@ def test_cpu_thread_binding_splits_the_cores(cores, ranks, expected) -> None:
     assert cpu_thread_binding(cores, ranks) == expected
 
 
+def test_start_up_refuses_a_policy_ranks_would_disagree_on(launch_parser, demo_paths) -> None:
+    """Every served policy is rank-consistent; one that declares otherwise (``tp_unsafe``) is refused."""
+    from sglang_kvx.policies import get_policy, servable_policy_names
+
+    assert [p for p in servable_policy_names() if get_policy(p).tp_unsafe] == []
+    result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--kvx-policy-modules", "throwaway_policy",
+                                 "--kvx-policy", "_throwaway_rank_local", "--kvx-keep-fraction", "0.2",
+                                 "--tp-size", "2", "--max-total-tokens", "4096")
+    assert result.returncode == 2 and "'_throwaway_rank_local' is not supported with --tp-size 2" in result.stderr, \
+        result.stderr[-2000:]
+
+
+def test_rank_kv_heads_follow_sglangs_split() -> None:
+    from sglang_kvx.signals import rank_kv_heads
+
+    assert [rank_kv_heads(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [rank_kv_heads(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated heads
+    with pytest.raises(ValueError):
+        rank_kv_heads(3, 0, 2)
+
+
 @pytest.mark.slow
 def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, references, server_pool) -> None:
     name = "tiny-llama"
@@ -139,27 +160,6 @@ def test_tensor_parallel_ranks_compact_their_own_heads(two_ranks) -> None:
     stats = server.stats()
     assert stats["compactions_failed"] == failed, stats["last_compaction_error"]
     assert sorted(c["policy"] for c in stats["compacted_contexts"]) == ["keydiff", "kvzip", "pyramidkv", "snapkv"]
-
-
-def test_start_up_refuses_a_policy_ranks_would_disagree_on(launch_parser, demo_paths) -> None:
-    """Every served policy is rank-consistent; one that declares otherwise (``tp_unsafe``) is refused."""
-    from sglang_kvx.policies import get_policy, servable_policy_names
-
-    assert [p for p in servable_policy_names() if get_policy(p).tp_unsafe] == []
-    result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--kvx-policy-modules", "throwaway_policy",
-                                 "--kvx-policy", "_throwaway_rank_local", "--kvx-keep-fraction", "0.2",
-                                 "--tp-size", "2", "--max-total-tokens", "4096")
-    assert result.returncode == 2 and "'_throwaway_rank_local' is not supported with --tp-size 2" in result.stderr, \
-        result.stderr[-2000:]
-
-
-def test_rank_kv_heads_follow_sglangs_split() -> None:
-    from sglang_kvx.signals import rank_kv_heads
-
-    assert [rank_kv_heads(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
-    assert [rank_kv_heads(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # replicated heads
-    with pytest.raises(ValueError):
-        rank_kv_heads(3, 0, 2)
 
 
 @pytest.mark.slow
