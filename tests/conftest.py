@@ -41,7 +41,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config._kvx_started = time.monotonic()  # the suite's wall time, printed at the end
 
 
+# The longest files first (measured with --durations): under pytest-xdist (--dist loadfile) a long
+# file started last keeps one worker busy while the other idles. The rest keep their order.
+LONGEST_FILES = ("test_perf_smoke.py", "test_compaction_e2e.py", "test_parallel.py", "test_gate_eviction_e2e.py",
+                 "test_qwen3_next.py", "test_sparse_attention_e2e.py", "test_head_eviction_e2e.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
     if not torch.cuda.is_available():
         no_cuda = pytest.mark.skip(reason="needs a CUDA device (marked gpu); this machine has none")
         for item in items:

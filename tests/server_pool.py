@@ -76,9 +76,11 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
         return spec(path, *SERVER_ARGS, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
                     "--attention-backend", "torch_native", "--chunked-prefill-size", "128",
                     max_total_tokens=MAX_TOTAL_TOKENS, env={"SGLANG_KVX_GDN_SIGNALS": "recompute"})
-    if kind == "chunked":  # prefill in chunks of CHUNK tokens
+    if kind == "chunked":  # prefill in chunks of CHUNK tokens; plain requests' repeated beginnings
+        # of 64+ tokens compacted unasked
         return spec(path, *SERVER_ARGS, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.2",
-                    "--chunked-prefill-size", str(CHUNK), max_total_tokens=MAX_TOTAL_TOKENS)
+                    "--chunked-prefill-size", str(CHUNK), "--kvx-auto-context-min-tokens", "64",
+                    max_total_tokens=MAX_TOTAL_TOKENS)
     if kind == "sparse":  # block-sparse attention for every request
         return spec(path, "--kvx-sparse-attention", str(SPARSE_BUDGET), max_total_tokens=4096)
     if kind == "gated_cell":  # a learned-gate family cell, per-request decode steps, float32
