@@ -198,18 +198,32 @@ def shared_server(shared_specs, server_pool):
     return lambda kind, model: server_pool.get(shared_specs(kind, model), hot=kind == "compacting")
 
 
-@pytest.fixture(params=DEMO)
-def served(request, shared_server, references):
+# The parameters of the server fixtures below are module-scoped, so pytest runs a file's tests
+# grouped by them (all of one model's, then the other's): each server is asked for in one stretch
+# instead of alternately, which with few live servers would stop and restart them.
+
+
+@pytest.fixture(scope="module", params=DEMO)
+def demo_model(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=[pytest.param("tiny-llama", marks=pytest.mark.quick), "tiny-hybrid-deep"])
+def quick_dense_model(request) -> str:
+    """A demo model's name; the dense model's cases are the server tests ``scripts/test.sh --quick`` keeps."""
+    return request.param
+
+
+@pytest.fixture
+def served(demo_model, shared_server, references):
     """(name, server, reference) for each demo model on a plain server."""
-    name = request.param
-    return name, shared_server("plain", name), references[name]
+    return demo_model, shared_server("plain", demo_model), references[demo_model]
 
 
-@pytest.fixture(params=[pytest.param("tiny-llama", marks=pytest.mark.quick), "tiny-hybrid-deep"])
-def compacting(request, shared_server, references):
-    """(name, server, reference) for each demo model on the shared compacting server; the dense
-    model's cases are the server tests ``scripts/test.sh --quick`` keeps."""
-    name = request.param
+@pytest.fixture
+def compacting(quick_dense_model, shared_server, references):
+    """(name, server, reference) for each demo model on the shared compacting server."""
+    name = quick_dense_model
     return name, shared_server("compacting", name), references[name]
 
 

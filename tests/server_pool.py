@@ -127,9 +127,13 @@ class ServerPool:
             self.restarts += 1
             server = None
         if server is None:
+            # Room: stop the least recently used server, a cold one before a hot one, never one the
+            # running test holds (with none left to stop, the pool runs one over its size).
             while len(self.live) >= self.max_live:
-                cold = [s for s in self.live if s not in self.hot]
-                self._drop(cold[0] if cold else next(iter(self.live)))  # least recently used first
+                idle = [s for s in self.live if s not in self.used]
+                if not idle:
+                    break
+                self._drop(next((s for s in idle if s not in self.hot), idle[0]))
             server = self._start(server_spec)
             self.starts.append((server_spec.label, server.startup_seconds or 0.0))
             self.live[server_spec] = server

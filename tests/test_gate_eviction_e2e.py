@@ -45,9 +45,14 @@ def gated_spec(cell: str, *args: str):
                 "--kvx-decode", json.dumps({"step": "sigmoid-gate", "tau": SERVER_TAU}), max_total_tokens=4096)
 
 
-@pytest.fixture(params=CELLS)
-def gated_server(request, server_pool, oracle_models):
-    cell = request.param
+@pytest.fixture(scope="module", params=CELLS)
+def cell(request) -> str:
+    """The cell's name; module-scoped, so the file's tests run grouped by cell (one server at a time)."""
+    return request.param
+
+
+@pytest.fixture
+def gated_server(cell, server_pool, oracle_models):
     return cell, server_pool.get(gated_spec(cell)), oracle_models[cell]
 
 

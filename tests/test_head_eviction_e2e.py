@@ -31,9 +31,14 @@ def oracle_models() -> dict[str, KvxGatedForCausalLM]:
     return {cell: KvxGatedForCausalLM.from_pretrained(cell_path(cell), dtype=torch.float32).eval() for cell in CELLS}
 
 
-@pytest.fixture(params=CELLS)
-def dense_server(request, shared_server, oracle_models):
-    cell = request.param
+@pytest.fixture(scope="module", params=CELLS)
+def cell(request) -> str:
+    """The cell's name; module-scoped, so the file's tests run grouped by cell (one server at a time)."""
+    return request.param
+
+
+@pytest.fixture
+def dense_server(cell, shared_server, oracle_models):
     return cell, shared_server("gated_cell", cell), oracle_models[cell]
 
 

@@ -26,10 +26,9 @@ BUDGET = SPARSE_BUDGET  # tokens per query: 8 blocks of a 150-token prompt's 38
 PROMPT_LEN, NEW_TOKENS = 150, 24
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-hybrid-deep"])
-def sparse_server(request, shared_server, references):
-    name = request.param
-    return name, shared_server("sparse", name), references[name]
+@pytest.fixture
+def sparse_server(demo_model, shared_server, references):
+    return demo_model, shared_server("sparse", demo_model), references[demo_model]
 
 
 def generate(server, ids: list[int]) -> tuple[list[int], list[float], dict]:
