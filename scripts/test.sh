@@ -3,16 +3,18 @@
 #   bash scripts/test.sh           the whole suite, what CI runs first (about 15 min on 2 cores)
 #   bash scripts/test.sh --quick   unit tests and the shared dense server only: the inner loop (under 3 min)
 #   bash scripts/test.sh --long    the long-scale runs (marked `long`), which CI runs after the suite
-# Any further arguments go to pytest (a file, -k EXPR, -x, ...).
+# Any further arguments go to pytest (a file, -k EXPR, -x, ...). The whole suite runs on two
+# pytest-xdist workers, each with its own pool of servers (KVX_TEST_WORKERS=0: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=(-m "not long")
+workers=(-n "${KVX_TEST_WORKERS:-2}" --dist loadgroup)
 case "${1:-}" in
-  --quick) tier=(-m "(not slow or quick) and not long"); shift ;;
-  --long) tier=(-m "long"); shift ;;
+  --quick) tier=(-m "(not slow or quick) and not long"); workers=(); shift ;;
+  --long) tier=(-m "long"); workers=(); shift ;;
 esac
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
-# --durations: a CI log that runs long names its slowest tests; the suite's last line gives its
-# wall time and server starts (tests/conftest.py).
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${tier[@]}" "$@"
+# --durations: a CI log that runs long names its slowest tests; the suite's last lines give its
+# wall time and every server start (tests/conftest.py).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "${workers[@]}" "${tier[@]}" "$@"

@@ -41,15 +41,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config._kvx_started = time.monotonic()  # the suite's wall time, printed at the end
 
 
-# The longest files first (measured with --durations): under pytest-xdist (--dist loadfile) a long
-# file started last keeps one worker busy while the other idles. The rest keep their order.
-LONGEST_FILES = ("test_perf_smoke.py", "test_compaction_e2e.py", "test_parallel.py", "test_gate_eviction_e2e.py",
-                 "test_qwen3_next.py", "test_sparse_attention_e2e.py", "test_head_eviction_e2e.py")
+# The order files run in: the longest groups first (seconds summed from --durations), so that under
+# pytest-xdist no long file starts last and keeps one worker busy while the other idles; within a
+# group, files that use the same servers one after another. Unlisted files follow in their order.
+FILE_ORDER = (
+    "test_perf_smoke.py", "test_head_eviction_e2e.py", "test_sparse_attention_e2e.py", "test_chunked_prefill_e2e.py",
+    "test_frontend_and_openai.py", "test_server_e2e.py",  # the "perf" group: ~580 s
+    "test_compaction_e2e.py", "test_attention_backends.py",  # the "recomputing" group: ~180 s
+    "test_parallel.py", "test_gate_eviction_e2e.py", "test_oda_e2e.py", "test_qwen3_next.py", "test_smollm2.py",
+    "test_qwen3_dense.py", "test_paged_kv_e2e.py",
+)
+# Files sharing servers few others use run on one pytest-xdist worker (--dist loadgroup), so each
+# such server starts once there; every other file is a group of its own (as with --dist loadfile).
+XDIST_GROUPS = {name: "perf" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:8]}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    rank = {name: i for i, name in enumerate(FILE_ORDER)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(item.path.name, item.path.name)))
     if not torch.cuda.is_available():
         no_cuda = pytest.mark.skip(reason="needs a CUDA device (marked gpu); this machine has none")
         for item in items:

@@ -111,7 +111,7 @@ def test_extras_by_role_and_setup_installs_what_the_tests_need():
     assert core.isdisjoint(EXTRAS_ONLY)
     assert "matplotlib" in extras["eval"]
     assert {"gguf", "accelerate"} <= extras["gguf"]
-    assert extras["eval"] | extras["gguf"] | {"pytest"} <= extras["test"]
+    assert extras["eval"] | extras["gguf"] | {"pytest", "pytest-xdist"} <= extras["test"]  # test.sh runs two workers
     assert "cupy-cuda12x" in extras["gpu"]
     # the README's commands run scripts/setup.sh, which installs the test extra
     assert '-e ".[test]"' in (ROOT / "scripts" / "setup.sh").read_text()
