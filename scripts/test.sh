@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tier=(-m "not long")
-workers=(-n "${KVX_TEST_WORKERS:-2}" --dist loadgroup)
+# --dist loadfile with tests/file_order.py's groups; --no-loadscope-reorder keeps its longest-first order.
+workers=(-n "${KVX_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 case "${1:-}" in
   --quick) tier=(-m "(not slow or quick) and not long"); workers=(); shift ;;
   --long) tier=(-m "long"); workers=(); shift ;;

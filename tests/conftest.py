@@ -27,6 +27,7 @@ torch.set_num_threads(1)
 from sglang_kvx.models.demo import ensure_demo_models, weights_root  # noqa: E402
 from sglang_kvx.reference.hf import HFReference  # noqa: E402
 
+import file_order  # noqa: E402
 from server_pool import ServerPool, ServerSpec, shared_spec  # noqa: E402
 
 DEMO = ("tiny-llama", "tiny-hybrid-deep")
@@ -41,26 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config._kvx_started = time.monotonic()  # the suite's wall time, printed at the end
 
 
-# The order files run in: the longest groups first (seconds summed from --durations), so that under
-# pytest-xdist no long file starts last and keeps one worker busy while the other idles; within a
-# group, files that use the same servers one after another. Unlisted files follow in their order.
-FILE_ORDER = (
-    "test_perf_smoke.py", "test_head_eviction_e2e.py", "test_sparse_attention_e2e.py", "test_chunked_prefill_e2e.py",
-    "test_frontend_and_openai.py", "test_server_e2e.py",  # the "perf" group: ~580 s
-    "test_compaction_e2e.py", "test_attention_backends.py",  # the "recomputing" group: ~180 s
-    "test_parallel.py", "test_gate_eviction_e2e.py", "test_oda_e2e.py", "test_qwen3_next.py", "test_smollm2.py",
-    "test_qwen3_dense.py", "test_paged_kv_e2e.py",
-)
-# Files sharing servers few others use run on one pytest-xdist worker (--dist loadgroup), so each
-# such server starts once there; every other file is a group of its own (as with --dist loadfile).
-XDIST_GROUPS = {name: "perf" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:8]}
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(FILE_ORDER)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(XDIST_GROUPS.get(item.path.name, item.path.name)))
+    items.sort(key=lambda item: file_order.rank(item.path))  # stable: tests keep their order in a file
     if not torch.cuda.is_available():
         no_cuda = pytest.mark.skip(reason="needs a CUDA device (marked gpu); this machine has none")
         for item in items:
@@ -306,6 +289,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     pool = getattr(session.config, "_kvx_pool", None)
     if pool is not None and hasattr(session.config, "workeroutput"):
         session.config.workeroutput["kvx_pool"] = pool_summary(pool)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``, files sharing servers run on one worker (``tests/file_order.py``)."""
+    return file_order.make_file_group_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.hookimpl(optionalhook=True)

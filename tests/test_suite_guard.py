@@ -85,3 +85,12 @@ def test_the_markers_the_suite_enforces_are_declared() -> None:
     declared = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     names = {line.split(":")[0] for line in declared}
     assert {"slow", "fresh_process", "quick", "long", "gpu"} <= names, names
+
+
+def test_the_file_order_names_files_that_exist() -> None:
+    """A renamed file would silently fall out of its pytest-xdist group (tests/file_order.py)."""
+    from file_order import FILE_ORDER, GROUPS
+
+    missing = [name for name in FILE_ORDER if not (TESTS / name).is_file()]
+    assert not missing, f"tests/file_order.py names files that do not exist: {missing}"
+    assert set(GROUPS) <= set(FILE_ORDER)
