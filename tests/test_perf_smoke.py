@@ -183,6 +183,10 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
         assert all(min(g, f) - 1 <= h <= max(g, f) + 1 for g, h, f in zip(gate, floor, flat))
         assert len(rows[("flat", 0.05)]["needle_value_entries_kept_per_layer"]) == 2
 
+        r = run("kvzip_allocation.py", "--tasks", "niah_single_1", "--samples", "1", "--length", "256", "--fractions", "0.5")
+        has(r, "scores", "per_sample", "sink")
+        assert set(r["scores"]) == {"full", "flat@0.5", "global@0.5"} and all(0 <= v <= 100 for v in r["scores"].values())
+
         r = run("bench_cpu_extend.py", "--cases", "300+1,100+200")
         has(r, "shape", "cases")
         for row in r["cases"].values():
