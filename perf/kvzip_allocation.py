@@ -11,9 +11,9 @@ keep rules:
   always kept: the paper's rule and kvpress's default (``layerwise=False``, ``n_sink=4``), written
   here independently of the package.
 
-Each answer is greedy from the full prefill with the evicted (layer, KV head, position) entries hidden
-from every token after the context (the context itself is prefilled with the full cache, as the
-server compacts after prefill). Prompts are the runner's: raw text, ``generate_sample(task, length,
+Each answer is greedy from the full prefill (``HFReference.compacted_generate`` keeping every entry)
+with the evicted (layer, KV head, position) entries hidden from every token after the context (the
+context itself is prefilled with the full cache, as the server compacts after prefill). Prompts are the runner's: raw text, ``generate_sample(task, length,
 seed, index)``, scored with the runner's metrics.
 
     OMP_NUM_THREADS=2 .venv/bin/python perf/kvzip_allocation.py   # 3 tasks x 4 samples at 1,024 tokens: ~11 min on 2 cores
@@ -43,8 +43,10 @@ MASKED_ATTENTION = "kvx_perf_masked_after_context"
 
 
 class HiddenEntries:
-    """An HF attention function that hides, from queries after the first ``n`` positions, the
-    context entries a keep mask drops: keep[layer_idx] bool [kv_heads, n] (None: nothing hidden)."""
+    """An HF attention function for the tokens after the context (``HFReference.compacted_generate``
+    prefills the context with the model's own): eager attention over the whole cache with the context
+    entries a keep mask drops hidden, keep[layer_idx] bool [kv_heads, n] (None: nothing hidden).
+    Unlike the reference's compacted attention it lets the KV heads of one layer keep different counts."""
 
     def __init__(self) -> None:
         self.keep: dict[int, torch.Tensor] | None = None
@@ -54,43 +56,30 @@ class HiddenEntries:
         key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
         q_len, k_len = query.shape[2], key.shape[2]
         logits = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling
-        positions = torch.arange(k_len)[None, :]
-        current = (k_len - q_len + torch.arange(q_len))[:, None]
-        visible = (positions <= current)[None, None].expand(1, query.shape[1], q_len, k_len).clone()
+        visible = torch.arange(k_len)[None, :] <= (k_len - q_len + torch.arange(q_len))[:, None]
+        visible = visible[None, None].repeat(1, query.shape[1], 1, 1)
         if self.keep is not None:
             keep = self.keep[module.layer_idx]
-            n = keep.shape[1]
-            after = current[:, 0] >= n
-            visible[:, :, after, :n] &= keep.repeat_interleave(group, 0)[None, :, None, :]
+            visible[..., : keep.shape[1]] &= keep.repeat_interleave(group, 0)[None, :, None, :]
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
         return torch.matmul(probs, value.float()).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-@torch.no_grad()
 def answer(ref: HFReference, hidden: HiddenEntries, context: list[int], question: list[int],
            keep: dict[int, torch.Tensor] | None, max_new_tokens: int) -> str:
+    """The greedy answer, cut at the first stop token, with ``keep``'s dropped entries hidden."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(MASKED_ATTENTION, hidden)
-    model, hidden.keep = ref.model, keep
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(MASKED_ATTENTION)
+    every_position = [torch.arange(len(context)).expand(ref.model.config.num_key_value_heads, -1)] * len(ref.attention_layer_ids)
+    hidden.keep = keep
     try:
-        step, cache, position, out = context + question, None, 0, []
-        stop = ref.stop_ids()
-        for _ in range(max_new_tokens):
-            ids = torch.arange(position, position + len(step))[None]
-            result = model(torch.tensor([step]), position_ids=ids, cache_position=ids[0], past_key_values=cache, use_cache=True)
-            cache, position = result.past_key_values, position + len(step)
-            token = int(result.logits[0, -1].argmax())
-            if token in stop:
-                break
-            out.append(token)
-            step = [token]
-        return ref.tokenizer.decode(out, skip_special_tokens=True)
+        tokens, _ = ref.compacted_generate(context, every_position, question, max_new_tokens, attention=MASKED_ATTENTION)
     finally:
-        model.set_attn_implementation(previous)
         hidden.keep = None
+    stop = ref.stop_ids()
+    tokens = tokens[: next((i for i, t in enumerate(tokens) if t in stop), len(tokens))]
+    return ref.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def flat_keep(scores: list[torch.Tensor], p: float, layer_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -128,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sink", type=int, default=4, help="positions the global rule always keeps (kvpress's n_sink)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     ref = HFReference(args.model)
     tokenizer, layer_ids = ref.tokenizer, ref.attention_layer_ids
     fractions = [float(p) for p in args.fractions.split(",")]
