@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sglang_kvx.models.gated import KvxGatedForCausalLM, register
-from sglang_kvx.reference.gated import gate_rule, live_entries
+from sglang_kvx.reference.gated import gate_rule, live_entries, window_rule
 
 from gated_cells import cell_path
 from gated_cells import generate as generate_greedy
@@ -101,6 +101,27 @@ def test_served_tokens_and_logprobs_match_the_oracle(gated_server, tau) -> None:
         assert report["folds"] == 1 and report["freed_bytes"] > 0
     else:
         assert report["folds"] == 0 and report["freed_bytes"] == 0
+
+
+def test_window_steps_run_the_familys_own_attention(gated_server) -> None:
+    """A per-request StreamingLLM step on a learned-gate checkpoint (it used to kill the scheduler:
+    the generic per-layer path, plain softmax, refused the layer's key gate): each decode step reads
+    the sinks and the window through the family's attention, as the oracle applying the same window."""
+    cell, server, model = gated_server
+    prompt = split_prompt(cell)
+    sinks, window = 4, 48
+    result = generate(server, prompt, {"step": "streamingllm", "sinks": sinks, "window": window})
+    output = result["output_ids"]
+    served = torch.tensor([lp[0] for lp in result["meta_info"]["output_token_logprobs"]])
+    with torch.no_grad():
+        out = model(torch.tensor([prompt + output[:-1]]),
+                    keep_fns=[window_rule(sinks, window, len(prompt))] * model.config.num_hidden_layers)
+    logprobs = torch.log_softmax(out.logits[0, len(prompt) - 1 :].float(), dim=-1)
+    assert logprobs.argmax(-1).tolist() == output
+    want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
+    assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
+    full, _ = oracle(model, prompt, output, 0.0)
+    assert not torch.allclose(full[torch.arange(NEW_TOKENS), torch.tensor(output)], want, atol=1e-3)  # the window bites
 
 
 def test_eviction_changes_what_is_generated(gated_server) -> None:

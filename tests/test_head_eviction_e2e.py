@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_kvx.models.gated import KvxGatedForCausalLM, register
-from sglang_kvx.reference.gated import h2o_rule, keydiff_rule
+from sglang_kvx.reference.gated import h2o_rule, keydiff_rule, window_rule
 
 from gated_cells import cell_path, split_prompt
 from gated_cells import generate as generate_greedy
@@ -72,6 +72,21 @@ def test_served_tokens_and_logprobs_match_the_oracle(dense_server, step, budget)
     layers = model.config.num_hidden_layers
     assert report["live_entries_per_layer"] == {str(l): float(min(budget, cached)) for l in range(layers)}
     assert report["evicted_entries"] == max(cached - budget, 0) * layers * model.config.num_attention_heads
+
+
+def test_window_steps_match_the_oracle(dense_server) -> None:
+    """StreamingLLM at decode time on a dense cell runs the cell's own attention (sigmoid with its
+    bias, or softmax) over sinks and window: the generic per-layer path used to compute plain softmax."""
+    cell, server, model = dense_server
+    prompt = split_prompt(cell, PROMPT_LEN)
+    sinks, window = 4, 48
+    result = generate(server, prompt, {"step": "streamingllm", "sinks": sinks, "window": window})
+    output = result["output_ids"]
+    served = torch.tensor([lp[0] for lp in result["meta_info"]["output_token_logprobs"]])
+    logprobs = oracle_logprobs(model, prompt, output, window_rule(sinks, window, len(prompt)))
+    assert logprobs.argmax(-1).tolist() == output
+    want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
+    assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
 
 
 def test_eviction_changes_what_is_generated(dense_server) -> None:

@@ -38,7 +38,9 @@ class PerLayerLengths:
     __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
 
-def _masked_rows(backend, layer, forward_batch) -> dict[int, PrefixCells]:
+def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
+    """Batch index -> what that row reads of this layer where it differs from its whole row: a compacted
+    prefix's cells, or a decode step's span (sinks and window). Empty for most batches."""
     link = link_of(backend)  # put on every backend of a compacting scheduler (adapter/forward.py)
     if link is None or layer.is_cross_attention:
         return {}
@@ -72,7 +74,7 @@ def _sparse_budget(backend, layer, forward_batch) -> int:
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     if budget := _sparse_budget(self, layer, forward_batch):
         return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=False, **kwargs)
-    masked = _masked_rows(self, layer, forward_batch)
+    masked = masked_rows_of(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False, **kwargs)
@@ -81,7 +83,7 @@ def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **k
 def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
     if budget := _sparse_budget(self, layer, forward_batch):
         return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=True, **kwargs)
-    masked = _masked_rows(self, layer, forward_batch)
+    masked = masked_rows_of(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True, **kwargs)

@@ -11,6 +11,11 @@ g >= tau, plus its own. A row
 re-folded by its decode state (``compact/gate_fold.py``, every 64 steps) reads its folded stretch from
 the fold's cells, whatever buffer they sit in.
 
+Decode steps that read a span of the row (``streamingllm``, ``span_schedule``, ``oda``): the row
+reads its sinks and recent window through the same hidden-interval mechanism as a re-fold (no extra
+cells), so the family's own attention (sigmoid bias, gates) applies to them. The backend is marked
+``PerLayerLengths`` so the generic per-layer wrapper (plain softmax) never takes its rows.
+
 Per-head eviction (``h2o``, ``keydiff`` decode steps, on the dense cells): the backend hands each
 such row's prefill weights to its decode state, reads each decode step's per-head keep mask from
 it, and hands back the step's weights (``serve/head_eviction.py``), layer by layer.
@@ -22,6 +27,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_kvx.adapter.attention import PerLayerLengths, masked_rows_of
 from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.compact.gate_fold import read_folded
 from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention
@@ -29,7 +35,7 @@ from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention
 from sglang_kvx.config import GATED_ATTENTION_BACKEND as KVX_GATED_ATTENTION
 
 
-class KvxGatedAttnBackend(TorchNativeAttnBackend):
+class KvxGatedAttnBackend(TorchNativeAttnBackend, PerLayerLengths):
     def __init__(self, model_runner) -> None:
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
@@ -66,7 +72,7 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
         if decode and gates is not None:
             tau = self._thresholds(forward_batch)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-        folded = self._folded(forward_batch, layer.layer_id, gates is not None) if decode else None
+        folded = self._folded(forward_batch, layer, gates is not None, decode)
         k_cache = pool.get_key_buffer(layer.layer_id)
         per_head, runtime = {}, link.runtime if (link := link_of(self)) is not None else None
         if runtime is not None and runtime.decode:
@@ -94,28 +100,44 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend):
             runtime.decode.head_prefill(index, per_head, weights)
         return out.reshape(-1, num_heads * layer.v_head_dim)
 
-    def _folded(self, forward_batch, layer_id: int, gated: bool) -> FoldedKeys | None:
-        """The batch's re-folded rows (learned-gate eviction): the row stretch each skips and the
-        kept entries it reads instead, from the fold's cells."""
+    def _folded(self, forward_batch, radix_layer, gated: bool, decode: bool) -> FoldedKeys | None:
+        """The batch's rows that skip a stretch of their row: re-folded rows (learned-gate eviction),
+        which read the fold's kept entries instead, and rows whose decode step reads a span (sinks
+        and a window), which read nothing instead."""
         link = link_of(self)
         if link is None or not link.runtime.decode:
+            return None
+        spans = masked_rows_of(self, radix_layer, forward_batch)
+        if spans and (not decode or any(cells.borrowed for cells in spans.values())):
+            # Compaction is refused on this family (config, settings): only decode spans reach here.
+            raise NotImplementedError("kvx_gated attention over a compacted prefix")
+        if not decode:
             return None
         runtime = link.runtime
         batch = link.batch(forward_batch)
         folds = [runtime.decode.fold(row) for row in batch.rows]
-        if not any(folds):
+        if not any(folds) and not spans:
             return None
-        layer = runtime.compactor.layer_index[layer_id]
+        layer = runtime.compactor.layer_index[radix_layer.layer_id]
         hidden = torch.zeros((2, len(folds)), dtype=torch.long)
         keys, values, gates, counts = [], [], [], [0]
         for i, fold in enumerate(folds):
-            if fold is not None:
+            read = 0
+            if i in spans:  # a span row (its step runs no gate fold): hidden [own, num_slots), no extra cells
+                if fold is not None:
+                    raise NotImplementedError("a decode row with both a span and a gate fold")
+                hidden[0, i], hidden[1, i] = spans[i].own, spans[i].num_slots
+            elif fold is not None:
                 hidden[0, i], hidden[1, i] = fold.start, fold.end
                 k, v, g = read_folded(fold, layer, runtime.pool, self.gates, gated)
                 keys.append(k)
                 values.append(v)
                 gates.append(g)
-            counts.append(counts[-1] + (keys[-1].shape[0] if fold is not None else 0))
+                read = k.shape[0]
+            counts.append(counts[-1] + read)
+        if not keys:  # span rows only: no extra cells
+            k, v = runtime.pool.read(layer, torch.zeros(0, dtype=torch.long, device=runtime.pool.device))
+            keys, values, gates = [k], [v], [self.gates[0, :0]]
         device = forward_batch.req_pool_indices.device
         return FoldedKeys(hidden[0].to(device), hidden[1].to(device), torch.cat(keys), torch.cat(values),
                           torch.cat(gates) if gated else None, torch.tensor(counts, device=device))

@@ -9,6 +9,8 @@ paper (Li, arXiv 2608.23296, Sec. 2.5), independently of the server's op:
 
 * ``gate_rule``: learned-gate eviction -- entries with g < tau are deleted after the prefill, and a
   decode step's own entry after the step that wrote it (layer 0 has no gate and keeps all);
+* ``window_rule``: attention sinks plus a recent window at decode time (StreamingLLM, Xiao et al.
+  2024) -- a decode step with t keys reads the first ``sinks`` and the last ``window`` of them;
 * ``h2o_rule``: online H2O on a dense backbone (Zhang et al. 2023) -- per layer and head a budget of
   entries, half the most recent, half the heavy hitters by attention accumulated since the prefill;
 * ``keydiff_rule``: online KeyDiff (Park et al. 2025) -- per layer and head keep the budget of keys
@@ -42,6 +44,15 @@ def gate_rule(tau: float, prefill_len: int) -> KeepFn:
         kept = gate[:, None, :] >= tau  # [B, 1, Tk]
         own = index[None, :] == index[:, None]  # [Tq, Tk]
         return (~decoding[:, None] | own)[None] | kept
+    return keep
+
+
+def window_rule(sinks: int, window: int, prefill_len: int) -> KeepFn:
+    def keep(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        index, decoding = _decode_rows(k.shape[2], prefill_len, k.device)
+        # Query i is the step with i + 1 keys: it reads keys j < sinks and j > i - window.
+        read = (index[None, :] < sinks) | (index[None, :] > index[:, None] - window)
+        return (~decoding[:, None] | read)[None]
     return keep
 
 
