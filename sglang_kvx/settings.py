@@ -184,6 +184,9 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
         settings = DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
     if settings is None:
         return None
+    if server.page_size > 1:  # the launcher refuses --kvx-decode with pages for the same reason
+        raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps are not supported with --page-size "
+                            f"{server.page_size} yet (they free and hold slots one at a time); serve with --page-size 1")
     step = DECODE_STEPS[settings.step]
     missing = sorted(step.needs - server.model_signals)
     if missing:

@@ -169,6 +169,24 @@ def test_what_cannot_fill_pages_is_refused_or_left_uncompacted(paged) -> None:
     assert server.stats()["kv_pool_free_tokens"] == POOL
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("decode", [{"step": "streamingllm", "window": 16}, {"step": "span_schedule"},
+                                    {"step": "h2o", "budget": 32}, {"step": "keydiff", "budget": 32}])
+def test_decode_steps_asked_per_request_are_refused(paged, decode) -> None:
+    """The launcher refuses --kvx-decode with pages; the same step asked per request used to be served,
+    then its slots were freed twice and the scheduler died on SGLang's leak check."""
+    server, ref, _path = paged
+    prompt = ref.encode(words(40, seed=3))
+    for max_new_tokens in (40, 0):  # a generating request, and a parent (which runs no step)
+        response = server.generate({"input_ids": prompt, "sampling_params": {
+            **GREEDY, "max_new_tokens": max_new_tokens, "custom_params": {"kvx": {"decode": decode}}}})
+        assert response.status_code == 400 and "custom_params.kvx.decode" in response.text, response.text
+        assert "--page-size 16" in response.text
+    assert generate(server, prompt, 8, {})["meta_info"]["completion_tokens"] == 8  # still serving
+    server.flush()
+    pool_balances(server)
+
+
 @pytest.mark.parametrize(
     "flags",
     [["--kvx-policy", "kvzip"], ["--kvx-policy", "keydiff", "--kvx-decode", "streamingllm"],

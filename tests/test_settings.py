@@ -191,6 +191,11 @@ def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
     assert dict(resolve_decode(parse_request_fields({"decode": {"step": "oda", "theta": 1}}), server).options) == {"window": 64, "theta": 1.0}
     assert resolve_decode(parse_request_fields(None), server) == server.decode
     assert resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), server).step == "streamingllm"
+    # With pages no step runs (the launcher refuses --kvx-decode there; a request's own step is refused too).
+    paged = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, page_size=16)
+    assert resolve_decode(parse_request_fields(None), paged) is None
+    with pytest.raises(SettingsError, match=r"custom_params.kvx.decode: .*--page-size 16"):
+        resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), paged)
     # Chance routing at a rate: repeatable, about the rate over many steps.
     chance = parse_decode_settings({"step": "random_route", "rate": 0.25, "seed": 3}).build()
     picks = [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]
