@@ -93,6 +93,8 @@ class Request(Protocol):
     prefix_len: int
     owned_from: int  # positions before this are shared (prefix cache / store) and never freed with it
     owned_len: int  # positions it holds KV for (SGLang frees [owned_from, owned_len) at release)
+    # The first prompt position it wants log-probabilities for (None: none of its prompt's); settable.
+    input_logprobs_from: int | None
 
     @property
     def state(self) -> Any:

@@ -138,6 +138,36 @@ def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, kee
     assert max(abs(a - b) for a, b in zip(served_lp, full_lp)) > 1e-4
 
 
+def test_a_childs_prompt_logprobs_come_from_the_cache_that_can_give_them(compacting):
+    """A child asking for its prompt's log-probabilities: from its own tokens on (logprob_start_len at or
+    past the context), it stays a child and they are the compacted cache's (HF oracle, same keep-set);
+    from inside the context, they need the whole cache: it is served by a full prefill, as on a plain
+    server. Asking for them inside the compacted prefix used to kill the scheduler (SGLang's logprob
+    bookkeeping assert)."""
+    name, server, ref = compacting
+    context = ref.encode(text(200, seed=77))
+    question = ref.encode("Question: which word comes next after these words? Answer:")
+    n, prompt = len(context), context + question
+    compact(server, context, "keydiff", 0.5)
+    keep = served_keep_set(server, n, "keydiff", 0.5)
+    inside = generate(server, prompt, 2, sampling=kvx("keydiff", 0.5), logprob_start_len=5)
+    (outcome,) = inside["meta_info"]["kvx"]
+    assert outcome["child"] is False and "served with the full cache" in outcome["reason"], outcome
+    served = [e[0] for e in inside["meta_info"]["input_token_logprobs"][1:]]
+    expected = ref.prompt_logprobs(prompt)[5:]
+    assert len(served) == len(expected) and max(abs(a - b) for a, b in zip(served, expected)) <= 1e-4
+    for start in (n, n + 3):
+        child = generate(server, prompt, 2, sampling=kvx("keydiff", 0.5), logprob_start_len=start)
+        assert child["meta_info"]["kvx"][0]["child"] is True
+        entries = child["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == prompt[start:]  # the true tokens, not the placeholders
+        served = [e[0] for e in entries[1:]]
+        expected = ref.compacted_prompt_logprobs(context, keep, question)[start - n :]
+        assert len(served) == len(expected) and max(abs(a - b) for a, b in zip(served, expected)) <= 1e-4
+    # ... and compaction is what they read (the check can fail when it does nothing).
+    assert max(abs(a - b) for a, b in zip(expected, ref.prompt_logprobs(prompt)[n + 3 :])) > 1e-4
+
+
 @pytest.mark.parametrize("policy", ["knorm", "streamingllm", "triattention", "kvzip", "gatesight"])
 def test_keep_fraction_one_reproduces_the_uncompacted_answer(compacting, policy):
     name, server, ref = compacting

@@ -210,6 +210,17 @@ class SGLangRequest:
         return int(self.req.prefix_len)
 
     @property
+    def input_logprobs_from(self) -> int | None:
+        """``logprob_start_len`` when the request returns log-probabilities of its prompt (SGLang's -1:
+        only the output's)."""
+        start = getattr(self.req, "logprob_start_len", -1)
+        return int(start) if self.req.return_logprob and start is not None and start >= 0 else None
+
+    @input_logprobs_from.setter
+    def input_logprobs_from(self, value: int) -> None:
+        self.req.logprob_start_len = value
+
+    @property
     def owned_len(self) -> int:
         """Positions of its row it holds KV for (what SGLang frees past ``owned_from`` at release)."""
         return int(self.req.owned_kv_len())

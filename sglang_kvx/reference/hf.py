@@ -8,6 +8,7 @@ keep-set applied by slicing the cache; the uncompacted path is the base case.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Callable
@@ -146,10 +147,7 @@ class HFReference:
         """
         model = self.model
         cache = self._compacted_cache(context_ids, keep)
-        _register_oracle_attention()
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(attention)
-        try:
+        with self._attention(attention):
             n = len(context_ids)
             generated: list[int] = []
             logprobs: list[float] = []
@@ -165,8 +163,31 @@ class HFReference:
                 position += len(step_ids)
                 step_ids = [token]
             return generated, logprobs
+
+    @torch.no_grad()
+    def compacted_prompt_logprobs(
+        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], attention: str = ORACLE_ATTENTION,
+    ) -> list[float]:
+        """log p(question_t | compacted context, question_<t) for t >= 1: a child's input_token_logprobs
+        past its first question token, teacher-forced over the cache ``compacted_generate`` reads."""
+        cache = self._compacted_cache(context_ids, keep)
+        with self._attention(attention):
+            positions = torch.arange(len(context_ids), len(context_ids) + len(question_ids))[None]
+            logits = self.model(torch.tensor([question_ids]), position_ids=positions, cache_position=positions[0],
+                                past_key_values=cache, use_cache=True).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return [float(logp[t - 1, question_ids[t]]) for t in range(1, len(question_ids))]
+
+    @contextmanager
+    def _attention(self, attention: str):
+        """The model runs with the registered ``attention`` inside (the compacted cache's oracle)."""
+        _register_oracle_attention()
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(attention)
+        try:
+            yield
         finally:
-            model.set_attn_implementation(previous)
+            self.model.set_attn_implementation(previous)
 
     def _compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor]):
         """The context's prefill cache with each attention layer cut to its kept positions per KV head."""

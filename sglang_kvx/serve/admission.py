@@ -125,6 +125,14 @@ class Admission:
             if settings is None:
                 return False
             context = self.store.longest_prefix_of(request.input_ids, settings)
+        logprobs_from = request.input_logprobs_from
+        if context is not None and logprobs_from is not None and logprobs_from < context.n:
+            # Log-probabilities of the context's own tokens need its whole cache, as on a plain server:
+            # served by a full prefill, not as a child.
+            state.outcome = {"child": False, "context_tokens": context.n,
+                             "reason": f"logprob_start_len {logprobs_from} lies inside the stored context "
+                                       f"({context.n} tokens): served with the full cache"}
+            context = None
         if context is None:
             self.make_room(wanted, tenant=tenant)
             return False
@@ -139,6 +147,8 @@ class Admission:
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(request.input_ids[context.n :])
         request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
+        if logprobs_from is not None:  # the prompt is now S placeholders + the question: same token, new index
+            request.input_logprobs_from = logprobs_from - (context.n - context.num_slots)
         request.keep_out_of_tree()  # its prefix is the store's, not the tree's
         context.reuse_count += 1
         self._adopt(state, context)
