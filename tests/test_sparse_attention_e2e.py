@@ -91,6 +91,12 @@ def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_orac
     tokens, logprobs = sparse_compacted_generate(reference, context, keep, question, 10, BUDGET)
     assert served["output_ids"] == tokens
     assert max(abs(a[0] - b) for a, b in zip(served["meta_info"]["output_token_logprobs"], logprobs)) < 1e-4
+    # Another client's request naming no policy, on this server without one, is plain: the stored context
+    # is not its business (it used to get 400 "policy is needed" until /flush_cache).
+    plain, plain_logprobs, meta = generate(server, context + question)
+    assert meta["cached_tokens"] == 0 and not meta.get("kvx")
+    want_tokens, want_logprobs = sparse_greedy(reference, context + question, NEW_TOKENS, BUDGET)
+    assert plain == want_tokens and max(abs(a - b) for a, b in zip(plain_logprobs, want_logprobs)) < 1e-4
     server.flush()
     idle = server.stats()
     assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]  # nothing leaked

@@ -120,7 +120,10 @@ class Admission:
             self._check_parent(request, state)
             return False
         context = None
-        if len(self.store) and not state.fields.wants_full_cache:
+        # Without a policy of its own or the server's, a request reads no compacted context (another
+        # client's parent named one): it is plain, whatever the store holds.
+        names_a_policy = state.fields.policy is not None or get_policy(self.defaults.policy).compacts
+        if len(self.store) and not state.fields.wants_full_cache and names_a_policy:
             settings = self.settings_of(request, state)
             if settings is None:
                 return False
