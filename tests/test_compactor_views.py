@@ -132,8 +132,31 @@ def test_the_reserved_share_of_the_store_is_never_evicted():
     old, middle, recent = _store_with(pool, store, [5, 5, 5])  # 0.4 x 17 = 6 slots reserved: the most recent context
     admission.make_room(11)
     assert list(store.contexts.values()) == [recent] and admission.evicted == 2
-    admission.make_room(16)  # only the reserved context is left: it stays, and the refusal is counted
+    # Only the reserved context is left: it stays, and the request is refused -- it could never be admitted.
+    problem = admission.make_room(16)
     assert list(store.contexts.values()) == [recent] and admission.refused == 1
+    assert problem is not None and "needs 16 KV slots" in problem and "5 hold other tenants' compacted contexts" in problem
+    assert admission.make_room(11) is None  # what fits beside the reserve is admitted
+
+
+def test_a_request_waits_only_for_what_will_end_and_is_refused_otherwise():
+    """A request waits (SGLang queues it) for running requests and children in flight, never for
+    the reserve: one that could only fit by evicting it is refused at once, or it would wait for
+    good, and every request behind it with it."""
+    pool = TensorPool(slots=17)  # 16 usable
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.4), num_rows=4)
+    old, recent = _store_with(pool, store, [4, 5])  # the recent one reserved (6 slots), the old one in use
+    old.active_children = 1
+    running = pool.alloc(3)
+    assert pool.room() == 4
+    assert admission.make_room(11) is None and len(store) == 2  # 4 free + 3 running + 4 in use: it waits
+    problem = admission.make_room(13)  # 13 > 17 - 5 reserved (the pool counts its padding slot): never
+    assert problem is not None and "needs 13 KV slots" in problem and len(store) == 2
+    # The reserved context's own tenant may evict it: nothing is out of reach then.
+    recent.tenant = "t"
+    assert admission.make_room(13, tenant="t") is None
+    pool.free(running)
 
 
 def test_a_request_that_fits_once_running_requests_finish_waits_instead_of_evicting():

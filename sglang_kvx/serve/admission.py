@@ -116,7 +116,8 @@ class Admission:
             return True
         tenant = state.fields.tenant
         if state.parent:
-            self.make_room(wanted, tenant=tenant)
+            if self._no_room_ever(request, self.make_room(wanted, tenant=tenant)):
+                return False
             self._check_parent(request, state)
             return False
         context = None
@@ -137,7 +138,7 @@ class Admission:
                                        f"({context.n} tokens): served with the full cache"}
             context = None
         if context is None:
-            self.make_room(wanted, tenant=tenant)
+            self._no_room_ever(request, self.make_room(wanted, tenant=tenant))
             return False
         if state.decode is not None and state.decode.step_class.drops:
             if state.fields.decode is not None:
@@ -146,7 +147,8 @@ class Admission:
                 return False
             state.decode = None  # the server's evicting default is not applied to children: full attention
         # Room for the child's own tokens, never by evicting the context it is about to read.
-        self.make_room(wanted - context.n, keep=context, tenant=tenant)
+        if self._no_room_ever(request, self.make_room(wanted - context.n, keep=context, tenant=tenant)):
+            return False
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(request.input_ids[context.n :])
         request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
@@ -165,7 +167,15 @@ class Admission:
         context.active_children += 1
         context.last_used = time.monotonic()
 
-    def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> None:
+    @staticmethod
+    def _no_room_ever(request: Request, problem: str | None) -> bool:
+        """Refuse (400) a request ``make_room`` says can never be admitted: SGLang would queue it for
+        good, and every request behind it would wait too."""
+        if problem is not None:
+            request.abort(f"sglang_kvx: {problem}")
+        return problem is not None
+
+    def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
         what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
 
@@ -173,28 +183,46 @@ class Admission:
         retries, so this runs again), and never another tenant's contexts within its share of the
         store's reserve (``--kvx-min-store-fraction``): a request may evict what no tenant reserves,
         then its own tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the
-        former)."""
+        former). Returns why the request can never be admitted (None: it fits now or will once
+        running requests and children end): what it may never evict is too much of the pool."""
         room = self.pool.room()
         if room >= tokens:
-            return
+            return None
         running = self.pool.total - room - self.held_slots()  # held by requests now in flight
         if running > 0 and room + running >= tokens:
             self.deferred += 1
-            return
+            return None
         reserved = self._reserved(keep)
         while room < tokens:
             idle = [c for c in self.store.contexts.values()
                     if c.active_children == 0 and c is not keep
                     and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
             if not idle:
-                self.refused += 1  # what is left is reserved or in use: SGLang queues or refuses the request
-                return
+                self.refused += 1  # what is left is reserved or in use
+                return self._never_fits(tokens, room, keep, reserved, tenant)
             victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
             self.store.remove(victim)
             self.pool.free(victim.slots)
             self.evicted += 1
             room = self.pool.room()
             logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],
+                    tenant: str | None) -> str | None:
+        """Why ``tokens`` slots will never be free for this request (None: they will, once the running
+        requests end and the children in flight release their contexts)."""
+        running = self.pool.total - room - self.held_slots()
+        mine = {id(c) for c in self.store.contexts.values()
+                if c is not keep and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))}
+        if room + running + sum(c.num_slots for c in self.store.contexts.values() if id(c) in mine) >= tokens:
+            return None  # SGLang queues it until then
+        others = sum(c.num_slots for c in self.store.contexts.values() if c is not keep and id(c) not in mine)
+        held = f"{others} hold other tenants' compacted contexts within the store's reserve (--kvx-min-store-fraction)"
+        if keep is not None:
+            held += f" and {keep.num_slots} the context it reads"
+        return (f"the request needs {tokens} KV slots (its prompt and its max_new_tokens, counted up to "
+                f"{self.defaults.growth_estimate_cap} as SGLang counts them), more than this server can free for it: of the pool's {self.pool.total} slots, {held}; "
+                f"ask for fewer max_new_tokens or send a shorter prompt")
 
     def reserved_slots(self) -> int:
         """Slots of the contexts no other tenant's request can evict now."""
