@@ -25,9 +25,11 @@ from interpreter import interpreted_lines
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def random_case(seed: int, dtype: torch.dtype = torch.float32, decode: bool = False) -> dict:
+def random_case(seed: int, dtype: torch.dtype = torch.float32, decode: bool = False, per_head: bool = False) -> dict:
     """Three rows over a shared pool: one hides a range and borrows entries, one is plain, one
-    hides its whole prefix past rank 3 and borrows; GQA with 2 KV heads for 4 query heads."""
+    hides its whole prefix past rank 3 and borrows; GQA with 2 KV heads for 4 query heads.
+    ``per_head``: the two KV heads hide different ranges and read different numbers of the extra
+    entries (a context compacted with per-head budgets)."""
     g = torch.Generator().manual_seed(seed)
     pool, kv_heads, heads, dim, v_dim = 600, 2, 4, 24, 16
     k_cache = torch.randn(pool, kv_heads, dim, generator=g).to(dtype)
@@ -43,7 +45,10 @@ def random_case(seed: int, dtype: torch.dtype = torch.float32, decode: bool = Fa
         extra_k=torch.randn(12, kv_heads, dim, generator=g).to(dtype),
         extra_v=torch.randn(12, kv_heads, v_dim, generator=g).to(dtype), extra_indptr=extra_indptr,
         scaling=0.2, k_scale=1.5, v_scale=0.5,
-    )
+    ) | ({} if not per_head else dict(
+        hidden_from=torch.tensor([[12, 20], [0, 0], [3, 9]]), hidden_to=torch.tensor([[30, 30], [0, 0], [20, 20]]),
+        extra_counts=torch.tensor([[5, 2], [0, 0], [7, 0]]),
+    ))
 
 
 def by_hand(case: dict) -> torch.Tensor:
@@ -52,31 +57,37 @@ def by_hand(case: dict) -> torch.Tensor:
     start = 0
     for b in range(case["rows"].numel()):
         row, seq_len, q_len = int(case["rows"][b]), int(case["seq_lens"][b]), int(case["q_lens"][b])
-        lo, hi = int(case["hidden_from"][b]), int(case["hidden_to"][b])
-        e0, e1 = int(case["extra_indptr"][b]), int(case["extra_indptr"][b + 1])
+        e0 = int(case["extra_indptr"][b])
+        kv_heads = case["k_cache"].shape[1]
+        group = case["q"].shape[1] // kv_heads
         for t in range(q_len):
             last = seq_len - q_len + t
-            seen = [j for j in range(last + 1) if not lo <= j < hi]
-            slots = case["req_to_token"][row, seen].long()
-            keys = torch.cat([case["k_cache"][slots], case["extra_k"][e0:e1]]).float() * case["k_scale"]
-            values = torch.cat([case["v_cache"][slots], case["extra_v"][e0:e1]]).float() * case["v_scale"]
-            group = case["q"].shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-            query = case["q"][start + t].float()  # [H, D]
-            out = F.scaled_dot_product_attention(query[:, None], keys.transpose(0, 1), values.transpose(0, 1),
-                                                 scale=case["scaling"])
-            outs.append(out[:, 0])
+            per_query_head = []
+            for head in range(case["q"].shape[1]):
+                kv = head // group
+                bound = lambda name: int(case[name][b] if case[name].dim() == 1 else case[name][b, kv])
+                lo, hi = bound("hidden_from"), bound("hidden_to")
+                count = int(case["extra_counts"][b, kv]) if "extra_counts" in case else int(case["extra_indptr"][b + 1]) - e0
+                seen = [j for j in range(last + 1) if not lo <= j < hi]
+                slots = case["req_to_token"][row, seen].long()
+                keys = torch.cat([case["k_cache"][slots, kv], case["extra_k"][e0 : e0 + count, kv]]).float() * case["k_scale"]
+                values = torch.cat([case["v_cache"][slots, kv], case["extra_v"][e0 : e0 + count, kv]]).float() * case["v_scale"]
+                query = case["q"][start + t, head].float()  # [D]
+                out = F.scaled_dot_product_attention(query[None, None], keys[None], values[None], scale=case["scaling"])
+                per_query_head.append(out[0, 0])
+            outs.append(torch.stack(per_query_head))
         start += q_len
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_reference_sees_exactly_the_visible_keys(decode) -> None:
-    case = random_case(0, decode=decode)
+@pytest.mark.parametrize("decode,per_head", [(False, False), (True, False), (False, True), (True, True)])
+def test_reference_sees_exactly_the_visible_keys(decode, per_head) -> None:
+    case = random_case(0, decode=decode, per_head=per_head)
     got = prefix_cells_attention_reference(**case)
     assert torch.allclose(got, by_hand(case), atol=1e-5)
     # Hiding nothing and borrowing nothing is plain causal attention over the row: the check can fail.
     plain = {**case, "hidden_to": case["hidden_from"], "extra_indptr": torch.zeros(4, dtype=torch.long)}
+    plain.pop("extra_counts", None)
     assert not torch.allclose(prefix_cells_attention_reference(**plain), got, atol=1e-3)
     assert torch.allclose(prefix_cells_attention_reference(**plain), by_hand(plain), atol=1e-5)
 
@@ -87,8 +98,9 @@ def test_triton_kernel_matches_the_reference_under_the_interpreter() -> None:
         "from test_ops_prefix_attention import random_case\n"
         "from sglang_kvx.ops.prefix_attention import prefix_cells_attention\n"
         "worst = 0.0\n"
-        "for seed, dtype, decode in [(1, torch.float32, False), (2, torch.float32, True), (3, torch.bfloat16, True)]:\n"
-        "    case = random_case(seed, dtype, decode)\n"
+        "for seed, dtype, decode, per_head in [(1, torch.float32, False, False), (2, torch.float32, True, False),\n"
+        "                                      (3, torch.bfloat16, True, False), (4, torch.float32, False, True)]:\n"
+        "    case = random_case(seed, dtype, decode, per_head)\n"
         "    got = prefix_cells_attention(**case, impl='triton').float()\n"
         "    want = prefix_cells_attention(**case, impl='torch').float()\n"
         "    worst = max(worst, float((got - want).abs().max()))\n"

@@ -32,7 +32,7 @@ def _attend_block(q, k_ptrs, v_ptrs, visible, m, l, acc, d_ok, dv_ok, scale_qk, 
 def _prefix_cells_kernel(
     q_ptr, k_ptr, v_ptr, r2t_ptr, out_ptr,
     token_batch_ptr, token_last_ptr, rows_ptr, hidden_from_ptr, hidden_to_ptr,
-    ek_ptr, ev_ptr, eptr_ptr,
+    ek_ptr, ev_ptr, eptr_ptr, ecount_ptr, kv_heads,
     stride_qt, stride_qh, stride_kp, stride_kh, stride_vp, stride_vh, stride_r2t,
     stride_ekp, stride_ekh, stride_evp, stride_evh, stride_ot, stride_oh,
     group, head_dim, v_head_dim, scale_qk, v_scale,
@@ -44,8 +44,8 @@ def _prefix_cells_kernel(
     b = tl.load(token_batch_ptr + token)
     last = tl.load(token_last_ptr + token)  # the last row index this query sees
     row = tl.load(rows_ptr + b).to(tl.int64)
-    lo = tl.load(hidden_from_ptr + b)
-    hi = tl.load(hidden_to_ptr + b)
+    lo = tl.load(hidden_from_ptr + b * kv_heads + kv_head)  # [B, Hkv]: per KV head
+    hi = tl.load(hidden_to_ptr + b * kv_heads + kv_head)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     d_ok = d < head_dim
@@ -64,7 +64,7 @@ def _prefix_cells_kernel(
             v_ptr + slot[:, None] * stride_vp + kv_head * stride_vh + dv[None, :],
             visible, m, l, acc, d_ok, dv_ok, scale_qk, v_scale)
     e0 = tl.load(eptr_ptr + b)
-    e1 = tl.load(eptr_ptr + b + 1)
+    e1 = e0 + tl.load(ecount_ptr + b * kv_heads + kv_head)  # this head's first extra entries
     for start in range(e0, e1, BLOCK_N):
         e = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         visible = e < e1
@@ -81,7 +81,8 @@ def prefix_cells_attention_triton(
     rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     hidden_from: torch.Tensor, hidden_to: torch.Tensor,
     extra_k: torch.Tensor, extra_v: torch.Tensor, extra_indptr: torch.Tensor,
-    scaling: float, k_scale: float = 1.0, v_scale: float = 1.0, block_n: int = 32,
+    scaling: float, k_scale: float = 1.0, v_scale: float = 1.0, extra_counts: torch.Tensor | None = None,
+    block_n: int = 32,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     if q.stride(2) != 1 or k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or req_to_token.stride(1) != 1:
@@ -101,12 +102,17 @@ def prefix_cells_attention_triton(
         extra_k = k_cache[:1]
         extra_v = v_cache[:1]
     extra_k, extra_v = extra_k.contiguous(), extra_v.contiguous()
+    kv_heads = k_cache.shape[1]
+    per_head = lambda t: (t[:, None].expand(-1, kv_heads) if t.dim() == 1 else t).to(device=device, dtype=torch.int32).contiguous()
+    if extra_counts is None:
+        extra_counts = (extra_indptr[1:] - extra_indptr[:-1]).to(device)
+    hidden_from, hidden_to, extra_counts = per_head(hidden_from), per_head(hidden_to), per_head(extra_counts)
     grid = (num_tokens, num_heads)
     _prefix_cells_kernel[grid](
         q, k_cache, v_cache, req_to_token, out,
         token_batch.to(torch.int32), token_last, rows.to(device=device, dtype=torch.int32),
-        hidden_from.to(device=device, dtype=torch.int32), hidden_to.to(device=device, dtype=torch.int32),
-        extra_k, extra_v, extra_indptr.to(device=device, dtype=torch.int32),
+        hidden_from, hidden_to,
+        extra_k, extra_v, extra_indptr.to(device=device, dtype=torch.int32), extra_counts, kv_heads,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), extra_k.stride(0), extra_k.stride(1), extra_v.stride(0), extra_v.stride(1),
         out.stride(0), out.stride(1),
