@@ -172,6 +172,7 @@ class ServerDefaults:
     decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
     gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)
     page_size: int = 1  # SGLang's --page-size
+    sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
 
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
@@ -184,6 +185,9 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
         settings = DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
     if settings is None:
         return None
+    if server.sparse_budget:  # the launcher refuses --kvx-decode beside it for the same reason
+        raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps cannot run under --kvx-sparse-attention "
+                            f"yet (block-sparse attention reads the whole row, slots a step evicted included)")
     if server.page_size > 1:  # the launcher refuses --kvx-decode with pages for the same reason
         raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps are not supported with --page-size "
                             f"{server.page_size} yet (they free and hold slots one at a time); serve with --page-size 1")

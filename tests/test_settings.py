@@ -196,6 +196,9 @@ def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
     assert resolve_decode(parse_request_fields(None), paged) is None
     with pytest.raises(SettingsError, match=r"custom_params.kvx.decode: .*--page-size 16"):
         resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), paged)
+    sparse = ServerDefaults("none", 1.0, 0, DENSE.model_signals, sparse_budget=32)
+    with pytest.raises(SettingsError, match=r"custom_params.kvx.decode: .*--kvx-sparse-attention"):
+        resolve_decode(parse_request_fields({"decode": {"step": "span_schedule"}}), sparse)
     # Chance routing at a rate: repeatable, about the rate over many steps.
     chance = parse_decode_settings({"step": "random_route", "rate": 0.25, "seed": 3}).build()
     picks = [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]

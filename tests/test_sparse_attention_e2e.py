@@ -102,6 +102,20 @@ def test_a_child_of_a_compacted_context_reads_its_regrouped_blocks_like_the_orac
     assert idle["kv_pool_free_tokens"] + idle["kv_pool_evictable_tokens"] == idle["kv_pool_total_tokens"]  # nothing leaked
 
 
+@pytest.mark.slow
+def test_decode_steps_asked_per_request_are_refused(sparse_server) -> None:
+    """The launcher refuses --kvx-decode beside --kvx-sparse-attention; a request's own step was served,
+    and its tokens then depended on the requests running beside it (block-sparse attention read the
+    slots a StreamingLLM step had freed, which other requests reuse)."""
+    name, server, reference = sparse_server
+    prompt = [random.Random(5).randrange(10, 500) for _ in range(PROMPT_LEN)]
+    for decode in ({"step": "streamingllm", "window": 32}, {"step": "span_schedule"}):
+        response = server.generate({"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": 4, "custom_params": {"kvx": {"decode": decode}}}})
+        assert response.status_code == 400 and "--kvx-sparse-attention" in response.text, response.text
+    assert generate(server, prompt)[0] == sparse_greedy(reference, prompt, NEW_TOKENS, BUDGET)[0]
+
+
 @pytest.mark.parametrize("value,expected", [
     ("32 --kvx-decode streamingllm", "--kvx-sparse-attention cannot be combined with decode-time steps yet"),
     ("30", "--kvx-sparse-attention must be 0 or a multiple of 4 of at least 8 (the first block and a query's own), got 30"),

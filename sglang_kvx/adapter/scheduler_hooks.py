@@ -92,7 +92,7 @@ def build_runtime(scheduler, config):
         tp_size=int(scheduler.tp_size), per_layer_lengths=has_per_layer_lengths(runner.attn_backend),
         min_store_fraction=config.min_store_fraction, growth_estimate_cap=growth_estimate_cap(),
         decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
-        gate_tau=config.gate_tau, page_size=int(scheduler.page_size),
+        gate_tau=config.gate_tau, page_size=int(scheduler.page_size), sparse_budget=config.sparse_budget,
     )
 
     def submit(rid: str, input_ids: list[int], compact: bool = False) -> None:
