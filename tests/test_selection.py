@@ -97,7 +97,8 @@ def test_gate_needs_the_output_gate():
         (("flat", 1.5, 10, 2), r"keep_fraction must be in \(0, 1\]"),
         (("flat", 0.5, -1, 2), "num_budgeted must be >= 0"),
         (("flat", 0.5, 10, 0), "num_layers must be >= 1"),
-        (("pyramid", 0.5, 10, 2), "unknown allocation 'pyramid'; valid choices: flat, gate, pyramidkv"),
+        (("pyramid", 0.5, 10, 2), "unknown allocation 'pyramid'; valid choices: flat, gate, global, pyramidkv"),
+        (("global", 0.5, 10, 2), "allocation 'global' budgets each KV head from the scores; use head_budgets"),
         (("pyramidkv", 0.5, 10, 2), None),
     ],
 )
@@ -159,7 +160,7 @@ def test_budget_larger_than_available_is_clamped():
         ([torch.zeros(2, 10)], [3], 11, r"protected prefix of 11 tokens is longer than the context \(10 tokens\)"),
         ([torch.zeros(2, 10)], [3], -1, "protected_prefix_len must be >= 0"),
         ([torch.zeros(2, 10)], [3, 3], 0, "1 layers of scores but 2 budgets"),
-        ([torch.zeros(2, 10)], [-1], 0, "layer 0: budget must be >= 0"),
+        ([torch.zeros(2, 10)], [-1], 0, "layer 0: budgets must be >= 0, one per KV head"),
         ([torch.zeros(2, 10), torch.zeros(2, 9)], [3, 3], 0, r"layer 1: scores must be \[kv_heads, 10\]"),
         ([], [], 0, "no attention layers"),
     ],
@@ -187,3 +188,37 @@ def test_keep_set_mask_matches_positions():
     keep_set = KeepSet(positions=[torch.tensor([[0, 3], [1, 2]])], n=4, protected_prefix_len=0)
     assert keep_set.mask(0).tolist() == [[True, False, False, True], [False, True, True, False]]
     assert keep_set.kept_per_layer == [2]
+
+
+# --- one threshold over every layer and KV head (KVzip's rule) ----------------------------------
+
+
+def test_the_global_allocation_keeps_the_best_entries_over_every_layer_and_head():
+    """The keep-set under ``global`` is the model-wide top-T of the scores past the protected prefix
+    (T the flat total), computed here independently; heads of one layer keep different counts."""
+    from sglang_kvx.allocate import head_budgets
+
+    g = torch.Generator().manual_seed(4)
+    layers, heads, n, protected, p = 4, 3, 40, 3, 0.3
+    # Layers and heads on different scales, as KVzip's scores are: a flat split would keep other entries.
+    scores = [torch.rand(heads, n, generator=g) * torch.tensor([[1.0], [4.0], [0.2]]) * (layer + 1) for layer in range(layers)]
+    keep = select_keep_set(scores, head_budgets("global", p, [s[:, protected:] for s in scores]), protected)
+    assert keep.per_head and len({k for layer in keep.kept_per_head for k in layer}) > 1
+    total = layers * heads * round(p * (n - protected))
+    past = torch.stack(scores)[..., protected:]
+    threshold = past.flatten().sort(descending=True).values[total - 1]
+    for layer in range(layers):
+        expected = torch.zeros(heads, n, dtype=torch.bool)
+        expected[:, :protected] = True
+        expected[:, protected:] = past[layer] >= threshold
+        assert torch.equal(keep.mask(layer), expected)
+    assert sum(map(sum, keep.kept_per_head)) == total + layers * heads * protected
+    # The same scores under the flat allocation: every head the same count, another keep-set.
+    flat = choose_keep_set_from(scores, p, protected)
+    assert not flat.per_head and any(not torch.equal(flat.mask(l), keep.mask(l)) for l in range(layers))
+
+
+def choose_keep_set_from(scores, p, protected):
+    from sglang_kvx.allocate import layer_budgets
+
+    return select_keep_set(scores, layer_budgets("flat", p, scores[0].shape[1] - protected, len(scores)), protected)

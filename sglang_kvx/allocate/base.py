@@ -6,12 +6,20 @@ where num_budgeted (m) is a layer's entries outside the protected prefix (n - pr
 the same in every layer of one context. ``flat`` and ``gate`` spend exactly the flat total,
 num_layers * round(keep_fraction * m); ``pyramidkv`` rounds each layer as its reference code does
 (within num_layers / 2 of that total). None gives a layer more than m.
+
+An allocation registered with ``reads_scores=True`` decides after scoring, per layer *and KV head*:
+    fn(keep_fraction, num_budgeted, num_layers, signals=None, *, scores, **options) -> list[list[int]]
+where scores[l] is layer l's [kv_heads, m] scores past the protected prefix; it spends the same
+total as flat (num_layers * kv_heads * round(p * m)), and the heads of one layer may keep different
+counts (the compacted context then folds over (layer, head) cells: ``compact/layout.fold_heads``).
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+import torch
 
 from sglang_kvx.signals import ContextSignals
 
@@ -22,10 +30,12 @@ ALLOCATIONS: dict[str, Allocation] = {}
 ALLOCATION_NEEDS: dict[str, frozenset[str]] = {}
 # Why an allocation is not rank-consistent under tensor parallelism (absent: it is).
 ALLOCATION_TP_UNSAFE: dict[str, str] = {}
+# Allocations that read the policy's scores and budget each KV head (``head_budgets``).
+ALLOCATION_READS_SCORES: set[str] = set()
 
 
 def register_allocation(
-    name: str, needs: frozenset[str] = frozenset(), tp_unsafe: str = ""
+    name: str, needs: frozenset[str] = frozenset(), tp_unsafe: str = "", reads_scores: bool = False,
 ) -> Callable[[Allocation], Allocation]:
     def decorator(fn: Allocation) -> Allocation:
         if name in ALLOCATIONS:
@@ -34,9 +44,17 @@ def register_allocation(
         ALLOCATION_NEEDS[name] = frozenset(needs)
         if tp_unsafe:
             ALLOCATION_TP_UNSAFE[name] = tp_unsafe
+        if reads_scores:
+            ALLOCATION_READS_SCORES.add(name)
         return fn
 
     return decorator
+
+
+def allocation_reads_scores(name: str) -> bool:
+    """Whether allocation ``name`` budgets each KV head from the scores (``head_budgets``)."""
+    get_allocation(name)
+    return name in ALLOCATION_READS_SCORES
 
 
 def allocation_tp_problem(name: str) -> str:
@@ -77,10 +95,35 @@ def layer_budgets(
         raise ValueError(f"num_budgeted must be >= 0, got {num_budgeted}")
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if allocation_reads_scores(allocation):
+        raise ValueError(f"allocation {allocation!r} budgets each KV head from the scores; use head_budgets")
     budgets = get_allocation(allocation)(keep_fraction, num_budgeted, num_layers, signals, **options)
     if len(budgets) != num_layers or any(not 0 <= b <= num_budgeted for b in budgets):
         raise AssertionError(f"allocation {allocation!r} returned {budgets} for {num_layers} layers of {num_budgeted} entries")
     return [int(b) for b in budgets]
+
+
+def head_budgets(
+    allocation: str,
+    keep_fraction: float,
+    scores: list[torch.Tensor],
+    signals: ContextSignals | None = None,
+    **options: Any,
+) -> list[list[int]]:
+    """Per attention layer and KV head, how many entries it keeps beyond the protected prefix
+    (validated): ``scores[l]`` is layer l's [kv_heads, m] scores past the prefix."""
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+    if not allocation_reads_scores(allocation):
+        raise ValueError(f"allocation {allocation!r} budgets layers, not heads; use layer_budgets")
+    if not scores:
+        raise ValueError("no attention layers to budget")
+    num_heads, m = scores[0].shape
+    budgets = get_allocation(allocation)(keep_fraction, m, len(scores), signals, scores=scores, **options)
+    if len(budgets) != len(scores) or any(len(b) != num_heads or any(not 0 <= k <= m for k in b) for b in budgets):
+        raise AssertionError(f"allocation {allocation!r} returned {budgets} for {len(scores)} layers x {num_heads} "
+                             f"heads of {m} entries")
+    return [[int(k) for k in b] for b in budgets]
 
 
 def flat_budget(keep_fraction: float, num_budgeted: int) -> int:
