@@ -1,0 +1,380 @@
+"""An outside reference: NVIDIA kvpress and this project's SGLang server on the same prompts (issue #42).
+
+    OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py --setup      # once: .venv-kvpress (below)
+    OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py [--policies keydiff,snapkv] [--fractions 0.5,0.2,0.1] \\
+        [--tasks niah_single_1,niah_single_2,niah_multivalue] [--length 1024] [--samples 10] [--seed 0] \\
+        [--max-new-tokens 32] [--url URL] [--out FILE]
+
+For every policy both implement and every keep fraction p (and the full cache, p = 1) it prints one
+JSON object: each side's suite score (RULER metric x 100, the runner's ``METRICS`` on ``postprocess``ed
+answers, mean over every prompt), how many answers are the same (after ``postprocess``), and every
+prompt's two answers.
+
+Prompts: ``sglang_kvx.eval.tasks.generate_sample(task, length, seed, index)`` for index
+0..samples-1, as ``python -m sglang_kvx.eval`` generates them. As in its runner the context is raw text,
+no chat template: the server gets the context alone as a prefill-only parent carrying the policy and p
+in ``custom_params.kvx`` (one compacting server serves every policy), then context + question as a
+greedy child of the compacted parent (``max_new_tokens``, 32 by default as in the runner), then
+``/flush_cache``. kvpress gets the same tokens: the context's ids and the question's ids (the prompt's
+ids after the context's, checked to be a prefix, and the server's ``prompt_tokens`` checked against
+them) tokenized here with the server's tokenizer, and runs its pipeline's own compress-then-answer code
+on them (``perf/kvpress_worker.py``; only the pipeline's preprocessing, which would add the chat
+template, is left out). Each side's children are checked to have read a compacted context
+(``meta_info["kvx"]``).
+
+Policies both implement (press defaults, ``compression_ratio = 1 - p``), with the differences the
+policy docstrings state (``sglang_kvx/policies/*.py``): kvpress keeps ``int((1 - ratio) * n)`` entries
+per head where the server keeps ``round(p * n)`` (one entry fewer at some p); KVzipPress keeps one
+threshold over every layer and KV head (4 sinks, chunks of 2048) where the server keeps the same count
+per layer and KV head; ObservedAttentionPress (kvpress's H2O) scores mean attention per query and has
+no recent window, the server's ``h2o`` ranks raw sums with half its budget a recent window;
+PyramidKVPress counts every layer of the model; RandomPress is given ``seed=0`` (default: unseeded)
+and draws other numbers than the server. No kvpress press is TriAttention or GateSight.
+One more, kvpress's and only visible on raw-text prompts: KVzipPress takes the first tokens of the
+context to be the chat template's system prompt and user header (their count from the tokenizer's
+template: 24 on SmolLM2-135M-Instruct) and neither reconstructs nor scores them, so it evicts positions
+4-23 of a raw context first; its reconstruction prompt ends in the template's assistant header, as the
+server's does.
+
+Isolation (``--setup``, or the first run): kvpress 0.5.5 pins ``transformers<5.3`` where SGLang 0.5.23
+runs on 5.19, so kvpress lives in its own venv, ``.venv-kvpress`` (git-ignored), and runs as a
+subprocess; this script imports only the project's code. PyPI's torch is the CUDA build (GBs) and
+download.pytorch.org is out of reach here, so the venv reuses ``.venv``'s torch instead:
+``python -m venv`` from the base interpreter ``.venv`` was made from (``home`` in its pyvenv.cfg;
+``--system-site-packages`` would bring that interpreter's own packages, not ``.venv``'s), then a folder
+``.venv-kvpress/reused-torch/`` of symlinks to ``.venv``'s torch, triton and the nvidia-* / cuda-*
+distributions torch requires (the CUDA runtime torch links against; their dist-infos make pip count
+them as installed), added to the venv's path by a ``.pth`` file and pinned to their versions in a pip
+constraints file, then ``pip install kvpress==0.5.5 -c constraints``. pip fills in the rest from
+PyPI: transformers 5.2.0, datasets, pandas, pyarrow, accelerate, peft, numpy, and torch's pure-Python
+dependencies (sympy, networkx, jinja2, ...) as copies of its own, so it never wants to replace a linked
+distribution; nothing under ``.venv`` is written. Measured here: 34 s on a quiet machine (71 s beside
+a test run), 661 MB (pyarrow 170 MB, transformers 102 MB, sympy 80 MB, pandas 79 MB). Setup checks
+that the venv's torch resolves to ``.venv``'s, a run that the venv holds kvpress 0.5.5; the output
+records where the worker's torch came from (``kvpress_side.torch_from``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAIN_VENV = ROOT / ".venv"
+KVPRESS_VENV = ROOT / ".venv-kvpress"
+WORKER = Path(__file__).resolve().with_name("kvpress_worker.py")
+KVPRESS_VERSION = "0.5.5"
+REUSED = "reused-torch"  # folder inside .venv-kvpress: symlinks into .venv's site-packages
+
+
+def _torch_closure() -> dict[str, object]:
+    """The distributions of this interpreter's torch that are reused: torch itself, triton and the
+    nvidia-* / cuda-* ones in its requirement closure (markers and extras evaluated here).
+    Pure-Python dependencies (sympy, networkx, jinja2, ...) are left to pip: the kvpress venv gets
+    copies of its own, so pip never wants to replace a linked distribution."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: dict[str, set[str]] = {}
+
+    def visit(name: str, extras: frozenset[str] = frozenset()) -> None:
+        key = canonicalize_name(name)
+        if key in seen and extras <= seen[key]:
+            return
+        seen[key] = seen.get(key, set()) | set(extras)
+        for line in distribution(name).requires or []:
+            requirement = Requirement(line)
+            if requirement.marker and not any(requirement.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                continue
+            visit(requirement.name, frozenset(requirement.extras))
+
+    visit("torch")
+    reused = {k for k in seen if k in ("torch", "triton") or k.startswith(("nvidia-", "cuda-"))}
+    return {k: distribution(k) for k in sorted(reused)}
+
+
+def setup_venv(venv: Path = KVPRESS_VENV) -> Path:
+    """Create ``venv`` with kvpress installed and ``.venv``'s torch reused; return its python."""
+    python = venv / "bin" / "python"
+    installed = _kvpress_version(python)
+    if installed == KVPRESS_VERSION:
+        return python
+    if installed is not None:
+        raise SystemExit(f"{venv} holds kvpress {installed}, not {KVPRESS_VERSION}: remove the folder and run --setup")
+    config = dict(line.split(" = ", 1) for line in (MAIN_VENV / "pyvenv.cfg").read_text().splitlines() if " = " in line)
+    base = Path(config["home"]) / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    print(f"setting up {venv} (kvpress=={KVPRESS_VERSION}, torch from {MAIN_VENV})", file=sys.stderr)
+    subprocess.run([str(base), "-m", "venv", str(venv)], check=True)
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    reused = venv / REUSED
+    reused.mkdir(exist_ok=True)
+    pins = []
+    for name, dist in _torch_closure().items():
+        pins.append(f"{name}=={dist.version}")
+        location = Path(dist.locate_file(""))
+        for top in sorted({Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}):
+            if top == "__pycache__" or (reused / top).is_symlink():
+                continue
+            (reused / top).symlink_to(location / top)
+    (site / "kvx-reused-torch.pth").write_text(str(reused) + "\n")
+    # Pinned: pip fails rather than replace a linked distribution (an uninstall would go through the links).
+    constraints = venv / "constraints.txt"
+    constraints.write_text("\n".join(pins) + "\n")
+    pip = subprocess.run([str(python), "-m", "pip", "install", f"kvpress=={KVPRESS_VERSION}", "-c", str(constraints)],
+                         capture_output=True, text=True)
+    if pip.returncode != 0:
+        raise SystemExit(f"pip install kvpress=={KVPRESS_VERSION} failed in {venv}:\n{pip.stdout[-3000:]}{pip.stderr[-3000:]}")
+    check = subprocess.run([str(python), "-c", "import torch, kvpress, os; print(os.path.realpath(torch.__file__))"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    if not check.startswith(str(MAIN_VENV.resolve())):
+        raise SystemExit(f"{venv}: torch was imported from {check}, not {MAIN_VENV}'s")
+    return python
+
+
+def _kvpress_version(python: Path) -> str | None:
+    """The kvpress version installed in the venv of ``python``; None when there is none (or no venv)."""
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", "from importlib.metadata import version; print(version('kvpress'))"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+# Our policy -> (kvpress press, its options besides compression_ratio): every policy both implement.
+PRESSES: dict[str, tuple[str, dict]] = {
+    "knorm": ("KnormPress", {}),
+    "keydiff": ("KeyDiffPress", {}),
+    "snapkv": ("SnapKVPress", {}),
+    "streamingllm": ("StreamingLLMPress", {}),
+    "kvzip": ("KVzipPress", {}),
+    "pyramidkv": ("PyramidKVPress", {}),
+    "h2o": ("ObservedAttentionPress", {}),
+    "random": ("RandomPress", {"seed": 0}),
+}
+FULL = "full"
+
+
+def build_prompts(tasks: list[str], length: int, samples: int, seed: int, tokenizer) -> list[dict]:
+    """The runner's samples, with the ids the server reads: the context's and the question's after them."""
+    from sglang_kvx.eval.tasks import generate_sample
+
+    prompts = []
+    for task in tasks:
+        for index in range(samples):
+            sample = generate_sample(task, length, seed=seed, index=index, tokenizer=tokenizer)
+            context = tokenizer.encode(sample.context)
+            prompt = tokenizer.encode(sample.context + sample.question)
+            if prompt[: len(context)] != context:
+                raise SystemExit(f"{task} #{index}: the context's tokens are not a prefix of the prompt's")
+            prompts.append({"task": task, "index": index, "context": sample.context, "question": sample.question,
+                            "answers": sample.answers, "context_ids": context, "question_ids": prompt[len(context):]})
+    return prompts
+
+
+def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple[str, float]], prompts: list[dict],
+                max_new_tokens: int) -> dict:
+    """kvpress's answers[method][prompt] and its versions, from the worker in the kvpress venv."""
+    jobs = [{"policy": policy, "keep_fraction": p, "press": None if policy == FULL else PRESSES[policy][0],
+             "options": {} if policy == FULL else PRESSES[policy][1]} for policy, p in methods]
+    with tempfile.TemporaryDirectory(prefix="kvx-kvpress-") as tmp:
+        job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "answers.json"
+        job_path.write_text(json.dumps({
+            "model": model, "dtype": dtype, "max_new_tokens": max_new_tokens, "jobs": jobs,
+            "prompts": [{"context_ids": p["context_ids"], "question_ids": p["question_ids"]} for p in prompts],
+        }))
+        subprocess.run([str(python), str(WORKER), str(job_path), str(out_path)], check=True)
+        return json.loads(out_path.read_text())
+
+
+def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], max_new_tokens: int) -> list[list[dict]]:
+    """The server's answers[method][prompt]: per prompt, per method a parent carrying the policy and p,
+    then the question as its child, as ``sglang_kvx.eval.runner.evaluate`` sends them; then /flush_cache."""
+    from tqdm import tqdm
+
+    from sglang_kvx.eval.runner import _generate, _policy_params, _wait_for_second_passes
+    from sglang_kvx.serve.launcher import flush_cache
+
+    answers: list[list[dict]] = [[] for _ in methods]
+    for prompt in tqdm(prompts, desc="sglang_kvx", unit="ctx", file=sys.stderr):
+        for m, (policy, p) in enumerate(methods):
+            kvx = {"compact": False} if policy == FULL else {
+                **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": 0}
+            parent = _generate(url, prompt["context"], 0, kvx)
+            if kvx.get("policy") == "kvzip":
+                _wait_for_second_passes(url)
+            child = _generate(url, prompt["context"] + prompt["question"], max_new_tokens, kvx)
+            meta = child["meta_info"]
+            served = {"text": child["text"], "ids": child.get("output_ids")}
+            if policy == FULL:
+                expected = len(prompt["context_ids"]) + len(prompt["question_ids"])
+                if meta["prompt_tokens"] != expected:  # the ids kvpress gets are not the ones the server read
+                    raise SystemExit(f"{prompt['task']} #{prompt['index']}: the server read {meta['prompt_tokens']} "
+                                     f"prompt tokens, the ids tokenized here are {expected}")
+            else:
+                entry = (meta.get("kvx") or [{}])[-1]
+                if not entry.get("child"):
+                    kept = (parent["meta_info"].get("kvx") or [{}])[-1]
+                    raise SystemExit(f"{prompt['task']} #{prompt['index']} {policy}@{p}: the question was not served "
+                                     f"from a compacted context (parent: {kept}; child: {entry})")
+                served["slots"] = entry.get("slots")
+            answers[m].append(served)
+        flush_cache(url)
+    return answers
+
+
+def compare(methods: list[tuple[str, float]], prompts: list[dict], ours: list[list[dict]], theirs: list[list[dict]],
+            stop_ids: set[int]) -> list[dict]:
+    """Per method: both scores, same answers / total (and same generated token ids, a stop token at the
+    end left out), and every prompt's two answers."""
+    from sglang_kvx.eval.scoring import METRICS, postprocess
+
+    def generated(ids: list[int] | None) -> list[int] | None:
+        return ids[:-1] if ids and ids[-1] in stop_ids else ids
+
+    rows = []
+    for m, (policy, p) in enumerate(methods):
+        scores = {"sglang_kvx": [], "kvpress": []}
+        same = same_ids = 0
+        per_sample = []
+        for prompt, a, b in zip(prompts, ours[m], theirs[m]):
+            texts = {"sglang_kvx": postprocess(a["text"]), "kvpress": postprocess(b["text"])}
+            for side, text in texts.items():
+                scores[side].append(METRICS[prompt["task"]](text, prompt["answers"]))
+            same += texts["sglang_kvx"] == texts["kvpress"]
+            same_ids += a["ids"] is not None and generated(a["ids"]) == generated(b["ids"])
+            per_sample.append([prompt["task"], prompt["index"], texts["sglang_kvx"], texts["kvpress"]])
+        rows.append({
+            "policy": policy, "keep_fraction": p, "press": None if policy == FULL else PRESSES[policy][0],
+            "sglang_kvx": round(100 * sum(scores["sglang_kvx"]) / len(prompts), 2),
+            "kvpress": round(100 * sum(scores["kvpress"]) / len(prompts), 2),
+            "same_answers": same, "same_token_ids": same_ids, "total": len(prompts), "per_sample": per_sample,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setup", action="store_true",
+                        help=f"create {KVPRESS_VENV.name} (kvpress=={KVPRESS_VERSION}, .venv's torch) if missing and exit")
+    parser.add_argument("--policies", default=",".join(PRESSES),
+                        help="comma-separated policies of both (%(default)s); the full cache is always a row")
+    parser.add_argument("--fractions", default="0.5,0.2,0.1", help="keep fractions p (default: %(default)s)")
+    parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_multivalue")
+    parser.add_argument("--length", type=int, default=1024, help="tokens per prompt (default: %(default)s)")
+    parser.add_argument("--samples", type=int, default=10, help="prompts per task, index 0.. (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="suite seed (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="greedy answer tokens at most (default: %(default)s)")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint folder for the server this script starts (default: SmolLM2-135M-Instruct, "
+                             "converted once if missing); with --url the server's own model")
+    parser.add_argument("--url", default=None,
+                        help="a running compacting SGLang server with the extension (--kvx-policy other than none): "
+                             "use it instead of starting one; its model is what kvpress loads too")
+    parser.add_argument("--out", default=None, help="also write the JSON object to this file")
+    args = parser.parse_args(argv)
+
+    python = setup_venv()
+    if args.setup:
+        print(python)
+        return 0
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = [p for p in policies if p not in PRESSES]
+    if unknown:
+        parser.error(f"no kvpress counterpart for {', '.join(unknown)}; choose from {', '.join(PRESSES)}")
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    if any(not 0 < f < 1 for f in fractions):
+        parser.error("--fractions: each p must lie in (0, 1) (p = 1 is the full-cache row, always run)")
+    tasks = [t for t in args.tasks.split(",") if t]
+    methods = [(FULL, 1.0)] + [(policy, p) for policy in policies for p in fractions]
+
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer
+
+    from sglang_kvx.serve.launcher import server_or_url
+
+    if args.url:
+        import requests
+        from served import describe
+
+        served = describe(args.url)
+        if served.policy == "none":
+            served.refuse("it runs --kvx-policy none: it refuses per-request compaction (start it with a policy)")
+        if args.model is not None:
+            served.require_model(args.model)
+        if "kvzip" in policies:
+            served.require_context(2 * args.length + args.max_new_tokens + 128, "KVzip's reconstruction pass")
+        model = served.model_path
+        dtype = _served_dtype(model, requests.get(served.url + "/server_info", timeout=60).json().get("dtype"))
+    else:
+        from sglang_kvx.models.smollm2 import convert_smollm2
+
+        model = args.model or str(convert_smollm2())
+        dtype = _served_dtype(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = build_prompts(tasks, args.length, args.samples, args.seed, tokenizer)
+
+    kvpress_side = run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens)
+
+    # As the runner starts its server: every request names its policy, the server's own is irrelevant.
+    context_length = (2 if "kvzip" in policies else 1) * args.length + args.max_new_tokens + 128
+    server = server_or_url(args.url, model, "--kvx-policy", policies[0] if policies else "random",
+                           "--context-length", str(context_length), "--dtype", dtype,
+                           max_total_tokens=max(16384, 16 * args.length))
+    with server:
+        if args.url is None:
+            served_info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
+        else:
+            served_info = served.summary()
+        ours = run_server(server.url, methods, prompts, args.max_new_tokens)
+
+    rows = compare(methods, prompts, ours, kvpress_side["answers"], _stop_ids(model, tokenizer))
+    result = {
+        "model": Path(model).name, "tasks": tasks, "length": args.length, "seed": args.seed, "samples": args.samples,
+        "max_new_tokens": args.max_new_tokens, "dtype": dtype,
+        "kvpress_version": kvpress_side["versions"]["kvpress"], "kvpress_side": kvpress_side["versions"],
+        "server": served_info,
+        "presses": {policy: {"press": press, "options": options} for policy, (press, options) in PRESSES.items()
+                    if policy in policies},
+        "per_sample_columns": ["task", "index", "sglang_kvx", "kvpress"],
+        "rows": rows,
+    }
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _served_dtype(model: str, server_dtype: str | None = None) -> str:
+    """The dtype both sides run in: a running server's ``--dtype``, else the checkpoint's own (what
+    ``--dtype auto`` picks; the server this script starts is given it explicitly)."""
+    if server_dtype and server_dtype != "auto":
+        return {"half": "float16", "float": "float32"}.get(server_dtype, server_dtype)
+    config = json.loads((Path(model) / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _stop_ids(model: str, tokenizer) -> set[int]:
+    """The ids greedy decoding stops at on both sides: the generation config's EOS, and the tokenizer's."""
+    path = Path(model) / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

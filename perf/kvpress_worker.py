@@ -1,0 +1,130 @@
+"""The kvpress side of ``perf/kvpress_compare.py``: run by ``.venv-kvpress/bin/python``, never by ``.venv``.
+
+    .venv-kvpress/bin/python perf/kvpress_worker.py JOB.json ANSWERS.json
+
+JOB.json (written by kvpress_compare.py): ``model`` (checkpoint folder), ``dtype``, ``max_new_tokens``,
+``jobs`` (one per policy and keep fraction: ``policy``, ``press`` (a class name in ``kvpress``),
+``options`` (its keyword arguments besides ``compression_ratio``), ``keep_fraction``; a ``press`` of
+null is the full cache) and ``prompts`` (``context_ids``, ``question_ids``: the exact token ids the
+SGLang server gets, tokenized on the project's side).
+
+Every prompt is answered with kvpress's own pipeline code, ``KVPressTextGenerationPipeline._forward``:
+the context prefilled under ``press(model)`` (compressed there), the question then run on the
+compressed cache at its true positions and the answer generated greedily for at most
+``max_new_tokens`` tokens, stopping at the generation config's EOS, decoded with
+``skip_special_tokens=True``. Only the pipeline's ``preprocess`` is left out: it would wrap the context
+in the chat template (or prepend BOS) and add a suffix after the question, while the project's runner
+sends the raw text; the token ids come from the project's side instead, so both servers read the same
+tokens. PyramidKVPress leaves the layers with different cache lengths, which transformers' SDPA path
+cannot mask (``_align_causal_mask_per_layer`` gives those layers flash attention's end-aligned causal
+mask; nothing else changes). ``ObservedAttentionPress`` (H2O) needs the attention weights, so its jobs run on a second copy
+of the model loaded with ``attn_implementation="eager"``; every other press runs on SDPA (KVzipPress
+refuses eager).
+
+ANSWERS.json: ``versions`` (kvpress, transformers, torch and where torch was imported from) and
+``answers[job][prompt]`` = {"text", "ids"} (the generated ids, EOS included when reached).
+Progress (tqdm) on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from importlib.metadata import version
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _align_causal_mask_per_layer(torch) -> None:
+    """Let SDPA serve caches whose layers hold different counts (PyramidKVPress's).
+
+    transformers sizes the attention mask of the question's forward from layer 0's cache; a layer that
+    kept fewer entries then fails in SDPA ("size of tensor a (436) must match ... b (448)"). DynamicCache
+    supports per-layer lengths only under flash attention (transformers issue 35168), whose causal mask
+    for q queries over k keys is aligned to the end (query i sees keys up to k - q + i). Where a layer's
+    key count differs from the mask's, that mask is used instead; everywhere else the call is SDPA's
+    own, unchanged (kvpress's head-masking patch included)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]  # already wrapped by kvpress's attention_patch at import
+
+    def sdpa_aligned(module, query, key, value, attention_mask, *args, **kwargs):
+        if attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+            q, k = query.shape[-2], key.shape[-2]
+            attention_mask = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)[None, None]
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_aligned
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    job_path, out_path = argv
+    with open(job_path) as f:
+        job = json.load(f)
+
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    import kvpress
+    from kvpress.pipeline import KVPressTextGenerationPipeline
+
+    _align_causal_mask_per_layer(torch)
+
+    hf_logging.disable_progress_bar()  # the weight-loading bars; the work's own bar stays
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dtype = getattr(torch, job["dtype"])
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    pipelines: dict[str, KVPressTextGenerationPipeline] = {}
+
+    def pipeline_for(attention: str) -> KVPressTextGenerationPipeline:
+        if attention not in pipelines:
+            model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype, attn_implementation=attention)
+            model.eval()
+            pipelines[attention] = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
+        return pipelines[attention]
+
+    answers: list[list[dict]] = [[] for _ in job["jobs"]]
+    work = [(j, p) for p in range(len(job["prompts"])) for j in range(len(job["jobs"]))]
+    with torch.no_grad():
+        for j, p in tqdm(work, desc="kvpress", unit="answer", file=sys.stderr):
+            spec, prompt = job["jobs"][j], job["prompts"][p]
+            press = None
+            if spec["press"] is not None:
+                press = getattr(kvpress, spec["press"])(compression_ratio=1.0 - spec["keep_fraction"], **spec["options"])
+            pipe = pipeline_for("eager" if spec["press"] == "ObservedAttentionPress" else "sdpa")
+            inputs = {"context_ids": torch.tensor([prompt["context_ids"]]),
+                      "questions_ids": [torch.tensor([prompt["question_ids"]])]}
+            ids: list[int] = []  # the pipeline's greedy loop decodes its ids once: recorded on the way
+            decode = tokenizer.decode
+
+            def recording_decode(token_ids, *args, **kwargs):
+                ids.extend(int(t) for t in token_ids)
+                return decode(token_ids, *args, **kwargs)
+
+            tokenizer.decode = recording_decode
+            try:
+                (text,) = pipe._forward(inputs, max_new_tokens=job["max_new_tokens"], press=press)
+            finally:
+                tokenizer.decode = decode
+            answers[j].append({"text": text, "ids": ids})
+
+    torch_file = torch.__file__
+    result = {
+        "versions": {"kvpress": version("kvpress"), "transformers": version("transformers"), "torch": torch.__version__,
+                     "torch_from": os.path.realpath(torch_file), "python": sys.version.split()[0]},
+        "answers": answers,
+    }
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
