@@ -327,7 +327,7 @@ def check_policies(device: torch.device, **shape) -> list[dict]:
     checks = []
     for name in want:
         same = sum(len(set(a.tolist()) & set(b.tolist())) for la, lb in zip(got[name], want[name]) for a, b in zip(la, lb))
-        total = sum(b.numel() for b in want[name])
+        total = sum(sum(h.numel() for h in b) for b in want[name])  # a layer: [kv_heads, K] or per-head tensors
         checks.append({"case": f"policy_{name}_{device.type}_{shape['n']}", "max_abs_err": round(1 - same / total, 6),
                        "tolerance": 0.01, "note": "share of kept entries that differ from the CPU run (float ties)",
                        **({"scoring_s": round(gatesight_s, 4)} if name == "gatesight" else {})})

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from sglang_kvx.allocate import allocation_tp_problem
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
@@ -259,6 +260,9 @@ def build_config(
         raise KvxConfigError(f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {choices}")
     if tp_size > 1 and policy_cls.tp_unsafe:
         raise KvxConfigError(f"kvx policy {policy!r} is not supported with --tp-size {tp_size} yet: {policy_cls.tp_unsafe}")
+    if tp_size > 1 and policy_cls.compacts and (problem := allocation_tp_problem(policy_cls.allocation)):
+        raise KvxConfigError(f"kvx policy {policy!r}: its allocation {policy_cls.allocation!r} is not supported with "
+                             f"--tp-size {tp_size} yet: {problem}")
     config = KvxConfig(
         policy=policy,
         keep_fraction=parse_keep_fraction(keep_fraction),

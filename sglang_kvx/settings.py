@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_kvx.allocate import allocation_names, allocation_needs, allocation_tp_problem
+from sglang_kvx.allocate import allocation_reads_scores, allocation_names, allocation_needs, allocation_tp_problem
 from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, parse_decode_settings
 from sglang_kvx.policies import get_policy, servable_policy_names
 
@@ -227,6 +227,12 @@ def resolve_settings(fields: RequestFields, server: ServerDefaults) -> Compactio
     if missing:
         which = f"allocation {allocation!r}" if not policy_cls.needs - server.model_signals else f"policy {policy_name!r}"
         raise SettingsError(f"{which} needs {', '.join(missing)}, which this model does not provide")
+    if allocation_reads_scores(allocation):
+        for refused, why in ((server.sparse_budget, "--kvx-sparse-attention regroups a layer's kept entries in blocks"),
+                             (server.page_size > 1, f"--page-size {server.page_size} pages cannot hold per-head counts")):
+            if refused:
+                raise SettingsError(f"allocation {allocation!r} budgets each KV head, which this server cannot serve "
+                                    f"yet: {why}; use allocation 'flat'")
     if allocation != "flat" and not server.per_layer_lengths:
         raise SettingsError(
             f"allocation {allocation!r} needs per-layer lengths, which this attention backend (MLA) cannot take; "

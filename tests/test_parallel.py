@@ -143,7 +143,9 @@ def test_tensor_parallel_ranks_compact_their_own_heads(two_ranks) -> None:
     for policy in ("keydiff", "snapkv", "pyramidkv", "kvzip"):
         # PyramidKV's reference budgets are flat unless its last layer keeps the 64-token window.
         fraction = 0.6 if policy == "pyramidkv" else 0.3
-        settings = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": fraction}}}
+        # KVzip's own budgets are one threshold over every KV head, which a rank cannot see: flat here.
+        flat = {"allocation": "flat"} if policy == "kvzip" else {}
+        settings = {"custom_params": {"kvx": {"policy": policy, "keep_fraction": fraction, **flat}}}
         response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
         assert response.status_code == 200, response.text
         deadline = time.monotonic() + 120  # KVzip: every rank runs the same reconstruction passes first
@@ -155,8 +157,11 @@ def test_tensor_parallel_ranks_compact_their_own_heads(two_ranks) -> None:
         signals = context_signals(ref, context)
         if policy == "kvzip":
             signals.reconstruction_attention = reconstruction_attention(ref, context)
-        keep = choose_keep_set(get_policy(policy)(), signals, fraction)
+        keep = choose_keep_set(get_policy(policy)(), signals, fraction, **flat)
         assert response.json()["output_ids"] == ref.compacted_greedy(context, keep.positions, question, 6), policy
+    refused = server.generate({"input_ids": context, "sampling_params": {
+        "max_new_tokens": 0, "custom_params": {"kvx": {"policy": "kvzip", "keep_fraction": 0.2}}}})
+    assert refused.status_code == 400 and "allocation 'global' is not supported with --tp-size 2" in refused.text
     stats = server.stats()
     assert stats["compactions_failed"] == failed, stats["last_compaction_error"]
     assert sorted(c["policy"] for c in stats["compacted_contexts"]) == ["keydiff", "kvzip", "pyramidkv", "snapkv"]

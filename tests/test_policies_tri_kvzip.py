@@ -273,11 +273,13 @@ def test_selection_keeps_the_prefix_and_each_policys_best(references, contexts, 
     n = len(ids)
     for policy_name in ("triattention", "kvzip"):
         policy = get_policy(policy_name)()
-        keep = choose_keep_set(policy, signals, 0.25)
+        keep = choose_keep_set(policy, signals, 0.25, allocation="flat")  # KVzip's own budgets: checked below
         budget = round(0.25 * (n - prefix))
         for layer, positions in enumerate(keep.positions):
             scores = policy.score(signals, layer)
-            assert scores.shape == (signals.num_kv_heads, n) and torch.isfinite(scores).all()
+            sinks = 4 if policy_name == "kvzip" else 0  # kvpress's n_sink: always kept
+            assert scores.shape == (signals.num_kv_heads, n) and torch.isfinite(scores[:, sinks:]).all()
+            assert (scores[:, :sinks] == float("inf")).all()
             assert positions.shape[0] == signals.num_kv_heads
             assert abs(positions.shape[1] - prefix - budget) <= 1
             for head in range(signals.num_kv_heads):
@@ -285,3 +287,15 @@ def test_selection_keeps_the_prefix_and_each_policys_best(references, contexts, 
                 assert kept[:prefix] == list(range(prefix))
                 dropped = sorted(set(range(prefix, n)) - set(kept))
                 assert scores[head, kept[prefix:]].min() >= scores[head, dropped].max()
+    # KVzip's default: one threshold over every layer and KV head -- the heads keep different counts,
+    # every kept score is at least every dropped one, model-wide, and the total is the flat one.
+    policy = get_policy("kvzip")()
+    keep = choose_keep_set(policy, signals, 0.25)
+    assert keep.per_head and sum(map(sum, keep.kept_per_head)) == len(keep.positions) * signals.num_kv_heads * (prefix + budget)
+    kept_min, dropped_max = float("inf"), float("-inf")
+    for layer in range(keep.num_layers):
+        scores, mask = policy.score(signals, layer), keep.mask(layer)
+        assert mask[:, :prefix].all()
+        kept_min = min(kept_min, float(scores[:, prefix:][mask[:, prefix:]].min()))
+        dropped_max = max(dropped_max, float(scores[:, prefix:][~mask[:, prefix:]].max()))
+    assert kept_min >= dropped_max

@@ -70,9 +70,12 @@ def test_resolution_checks_the_model_and_parallelism():
     with pytest.raises(SettingsError, match="allocation 'gate' needs output_gate"):
         resolve_settings(parse_request_fields({"allocation": "gate"}), DENSE)
     tp = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, tp_size=2)
-    # Every served policy and allocation is rank-consistent (signals.gather_heads); a policy declaring
-    # otherwise is refused (tests/test_parallel.py, with a throwaway one).
-    assert resolve_settings(parse_request_fields({"policy": "kvzip"}), tp).policy == "kvzip"
+    # Every served policy and allocation but 'global' is rank-consistent (signals.gather_heads); a policy
+    # declaring otherwise is refused (tests/test_parallel.py, with a throwaway one). KVzip's own
+    # allocation is one threshold over every KV head, which a rank cannot see: flat under TP.
+    with pytest.raises(SettingsError, match="allocation 'global' is not supported with --tp-size 2 yet"):
+        resolve_settings(parse_request_fields({"policy": "kvzip"}), tp)
+    assert resolve_settings(parse_request_fields({"policy": "kvzip", "allocation": "flat"}), tp).policy == "kvzip"
     assert resolve_settings(parse_request_fields({"policy": "snapkv", "allocation": "gate"}),
                             ServerDefaults("knorm", 0.5, 0, DENSE.model_signals | {"gdn", "output_gate"}, tp_size=2)).allocation == "gate"
     paged = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, page_size=16)

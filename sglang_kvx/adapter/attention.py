@@ -206,6 +206,8 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     for i, (row, seq_len) in enumerate(zip(batch.rows, batch.seq_lens)):
         slots = req_to_token[row, :seq_len].long()
         cells = masked.get(i)
+        if cells is not None and cells.head_own is not None:  # refused at the door (settings): never here
+            raise NotImplementedError("block-sparse attention over a context compacted with per-head budgets")
         if cells is not None:  # the layer's kept ranks: own cells, borrowed cells, then the child's tokens
             pieces = [slots[: cells.own]]
             for layer_id, at in cells.borrowed:
@@ -244,18 +246,30 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     rows = forward_batch.req_pool_indices
     batch = rows.numel()
     q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
-    hidden = torch.zeros((2, batch), dtype=torch.long)
+    kv_heads = k_cache.shape[1]
+    per_head = any(cells.head_own is not None for cells in masked.values())
+    hidden = torch.zeros((2, batch, kv_heads) if per_head else (2, batch), dtype=torch.long)
+    head_counts = torch.zeros((batch, kv_heads), dtype=torch.long) if per_head else None
     extra_k, extra_v, extra_counts = [], [], [0] * batch
     for i, cells in masked.items():
+        if cells.head_own is not None:  # per-head budgets: each KV head hides its own range and borrows its own cells
+            hidden[0, i], hidden[1, i] = torch.tensor(cells.head_own), cells.num_slots
+            keys, values, counts = _borrowed_per_head(pool, cells.head_borrowed, k_cache, v_cache)
+            extra_k.append(keys)
+            extra_v.append(values)
+            extra_counts[i], head_counts[i] = keys.shape[0], counts
+            continue
         hidden[0, i], hidden[1, i] = cells.own, cells.num_slots  # ranks this layer does not keep here
         for layer_id, at in cells.borrowed:  # its further ranks, in other layers' buffers
             extra_k.append(pool.get_key_buffer(layer_id)[at])
             extra_v.append(pool.get_value_buffer(layer_id)[at])
             extra_counts[i] += at.numel()
+        if per_head:
+            head_counts[i] = extra_counts[i]
     hidden = hidden.to(rows.device)
     k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
     v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
-    if decode and not extra_k:
+    if decode and not extra_k and not per_head:
         # One hidden interval [a, b) per row and one query: sinks a plus a window of seq_len - b
         # (a row hiding nothing reads all: window 0) -- the kernel layer's windowed decode op.
         seq_lens = forward_batch.seq_lens
@@ -270,5 +284,22 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
         rows, forward_batch.seq_lens, q_lens, hidden[0], hidden[1],
         torch.cat(extra_k) if extra_k else k_cache[:0], torch.cat(extra_v) if extra_v else v_cache[:0], extra_indptr,
         scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale,
+        extra_counts=head_counts.to(rows.device) if head_counts is not None else None,
     )
     return out.reshape(-1, num_heads * layer.v_head_dim)
+
+
+def _borrowed_per_head(pool, head_borrowed, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """One row's extra entries under per-head budgets: [E, Hkv, D] keys and values, KV head h's
+    further ranks first in its column (E the most any head borrowed), and each head's count."""
+    counts = torch.tensor([sum(int(at.numel()) for _, _, at in pieces) for pieces in head_borrowed])
+    width = int(counts.max()) if counts.numel() else 0
+    keys = k_cache.new_zeros((width, *k_cache.shape[1:]))
+    values = v_cache.new_zeros((width, *v_cache.shape[1:]))
+    for head, pieces in enumerate(head_borrowed):
+        rank = 0
+        for layer_id, holder_head, at in pieces:
+            keys[rank : rank + at.numel(), head] = pool.get_key_buffer(layer_id)[at, holder_head]
+            values[rank : rank + at.numel(), head] = pool.get_value_buffer(layer_id)[at, holder_head]
+            rank += at.numel()
+    return keys, values, counts

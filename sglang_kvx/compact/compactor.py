@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_kvx.compact.layout import PrefixLayout, fold_layers
+from sglang_kvx.compact.layout import PrefixLayout, fold_heads, fold_layers
 from sglang_kvx.ops.compaction import compact_gather
 from sglang_kvx.policies import KVPolicy
 from sglang_kvx.ports import KVPool
@@ -81,7 +81,7 @@ class Compactor:
     def choose(self, signals: ContextSignals, settings: CompactionSettings) -> tuple[KeepSet, PrefixLayout]:
         keep = choose_keep_set(self.policy_of(settings.policy), signals, settings.keep_fraction, settings.allocation,
                                page_size=self.page_size, fold=self.fold)
-        layout = fold_layers(keep.kept_per_layer, fold=self.fold)
+        layout = fold_heads(keep.kept_per_head) if keep.per_head else fold_layers(keep.kept_per_layer, fold=self.fold)
         if layout.num_slots % self.page_size:
             raise NothingFreed(f"with --page-size {self.page_size} the kept entries fill as many pages as the whole "
                                f"{signals.n}-token context; nothing would be freed")
@@ -90,6 +90,8 @@ class Compactor:
     def gather_kept(self, context_slots: torch.Tensor, slots: torch.Tensor, keep: KeepSet, layout: PrefixLayout) -> None:
         """Copy each (layer, KV head)'s kept entries, in rank order, into ``slots`` as ``layout`` places
         them. Every kept entry is read before anything is written: ``slots`` may overlap the context's."""
+        if layout.per_head:
+            return self._gather_kept_per_head(context_slots, slots, keep, layout)
         kept = []
         for layer in range(self.pool.num_layers):
             positions = keep.positions[layer].to(context_slots.device)  # [kv_heads, K_l]
@@ -106,8 +108,35 @@ class Compactor:
                 self.pool.write(holder, slots[start:end], keys[rank : rank + end - start], values[rank : rank + end - start])
                 rank += end - start
 
+    def _gather_kept_per_head(self, context_slots: torch.Tensor, slots: torch.Tensor, keep: KeepSet,
+                              layout: PrefixLayout) -> None:
+        """Per-head layouts: each layer's S cells are composed whole (every head's own ranks and the
+        ranks other (layer, head)s lend it), then written once per layer; unused cells hold zeros."""
+        images = []
+        for layer in range(self.pool.num_layers):
+            keys, values = self.pool.read(layer, slots[:0])  # the pool's entry shape and dtype
+            images.append((keys.new_zeros((layout.num_slots, *keys.shape[1:])),
+                           values.new_zeros((layout.num_slots, *values.shape[1:]))))
+        for layer in range(self.pool.num_layers):
+            for head, positions in enumerate(keep.head_positions(layer)):
+                keys, values = self.pool.read(layer, context_slots[positions.to(context_slots.device)])
+                cells = layout.heads[layer][head]
+                rank = 0
+                for holder, holder_head, start, end in [(layer, head, 0, cells.own)] + [
+                        (b.layer, b.head, b.start, b.end) for b in cells.borrowed]:
+                    images[holder][0][start:end, holder_head] = keys[rank : rank + end - start, head]
+                    images[holder][1][start:end, holder_head] = values[rank : rank + end - start, head]
+                    rank += end - start
+        for layer, (keys, values) in enumerate(images):
+            self.pool.write(layer, slots[: layout.num_slots], keys, values)
+
     def prefix_cells(self, slots: torch.Tensor, layout: PrefixLayout) -> list[PrefixCells | None]:
         """Per attention layer, what its attention reads of the context beyond the plain S slots (None: plain)."""
+        if layout.per_head:
+            return [None if layout.is_plain(layer) else PrefixCells(
+                layout.num_slots, min(c.own for c in heads), (), tuple(c.own for c in heads),
+                tuple(tuple((self.pool.layer_id(b.layer), b.head, slots[b.start : b.end]) for b in c.borrowed) for c in heads))
+                for layer, heads in enumerate(layout.heads)]
         cells: list[PrefixCells | None] = []
         for layer, layer_cells in enumerate(layout.layers):
             if layout.is_plain(layer):
@@ -138,13 +167,14 @@ class Compactor:
         context = CompactedContext(
             context_ids=context_ids, settings=settings, slots=slots, kept_per_layer=keep.kept_per_layer,
             layout=layout, prefix_cells=self.prefix_cells(slots, layout),
-            keep_positions=[p.cpu() for p in keep.positions], gdn_snapshot=gdn_snapshot,
+            keep_positions=[[h.cpu() for h in p] if isinstance(p, list) else p.cpu() for p in keep.positions],
+            gdn_snapshot=gdn_snapshot,
             timings={
                 **timings,
                 "signals_s": t1 - t0,  # assembling what was recorded (keys are read per layer while scoring)
                 "score_select_s": t2 - t1,  # policy scores, layer budgets, per-head top-K
                 "compact_s": time.perf_counter() - t2,  # rank-slot copy
-                "bytes_moved": sum(keep.kept_per_layer) * self.pool.bytes_per_entry,
+                "bytes_moved": sum(map(sum, keep.kept_per_head)) * self.pool.bytes_per_entry // self.pool.num_kv_heads,
             },
         )
         logger.info("sglang_kvx: compacted %d-token context with %s (p=%g): kept %s entries per attention layer",

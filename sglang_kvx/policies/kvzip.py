@@ -15,16 +15,20 @@ The score itself is ContextSignals.reconstruction_attention; ``accumulate_recons
 turns one pass's captured queries and keys into it, ``reconstruction_inputs`` builds the passes
 from the ids ``reconstruction_prompt_ids`` takes from the model's tokenizer.
 
-Against kvpress's KVzipPress (same max-over-queries-and-group score): kvpress by default
-(layerwise=False) drops everything under one threshold over all layers and heads, so its layers
-and heads keep different counts; here each layer keeps round(p * m) per KV head (the flat
-allocation), as a layer's KV heads share its slots in the server. kvpress also pins the first 4
-tokens (score 1) and reconstructs in chunks of 2048; here only the protected prefix is pinned and
-chunks are the KVzip repo's 2000. The per-head allocation is the whole gap on SmolLM2-135M-Instruct
-(``perf/kvzip_allocation.py``, issue #42): the same scores kept under one threshold over every
-layer and KV head score as kvpress does (72.9 / 64.6 / 56.2 at p = 0.5 / 0.2 / 0.1 on the issue's
-12 prompts), kept flat they score 33.3 at every p; the folded layout cannot yet hold different
-counts for the KV heads of one layer.
+Budgets: the paper's non-uniform head budgets, one threshold over every layer and KV head (the
+``global`` allocation, this policy's default): a head the reconstruction reads much keeps much.
+The context then folds over (layer, KV head) cells (``compact/layout.fold_heads``) and frees
+exactly 1 - p of its entries past the protected prefix. Kept flat instead (``allocation: "flat"``,
+round(p * m) per layer and KV head, which tensor parallelism, pages and block-sparse attention
+still need), the same scores lose most of their quality on a pretrained model: on
+SmolLM2-135M-Instruct (issue #42's 12 prompts, ``perf/kvzip_allocation.py``) flat scores 33.3 at
+p = 0.5 / 0.2 / 0.1 where one threshold scores 72.9 / 64.6 / 56.2, kvpress's own figures.
+
+Against kvpress's KVzipPress (same max-over-queries-and-group score and the same global threshold
+with layerwise=False): kvpress pins the first ``n_sink`` = 4 tokens (score 1); here they score +inf,
+the same effect, on top of the protected prefix. kvpress keeps int(p * n) of the whole context
+including the sinks, here round(p * m) per head on average past the protected prefix; kvpress
+reconstructs in chunks of 2048, here the KVzip repo's 2000.
 """
 
 from __future__ import annotations
@@ -142,8 +146,16 @@ def accumulate_reconstruction_attention(
 class KVzipPolicy(KVPolicy):
     needs = frozenset({"reconstruction"})
     second_pass = True
+    allocation = "global"
     # Under --tp-size > 1 every rank queues the same reconstruction passes at the same point (the ranks
-    # release the same parent in lockstep), so their schedulers stay identical.
+    # release the same parent in lockstep), so their schedulers stay identical (with allocation 'flat').
+
+    def __init__(self, *, n_sink: int = 4) -> None:
+        if n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {n_sink}")
+        self.n_sink = n_sink
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
-        return layer_signal(signals, "reconstruction_attention", layer, self.name).float()
+        scores = layer_signal(signals, "reconstruction_attention", layer, self.name).float().clone()
+        scores[:, : self.n_sink] = float("inf")  # kvpress's sinks: always kept
+        return scores

@@ -42,6 +42,11 @@ def _compacted_attention(module, query, key, value, attention_mask, scaling, dro
     if span is not None:
         sinks, window = span
         visible &= (keys < sinks) | (keys > current - window)
+    valid = (kwargs.get("kvx_prefix_valid") or {}).get(module.layer_idx)
+    if valid is not None:  # per-head budgets: a head's padded prefix entries are not there
+        prefix = torch.ones(valid.shape[0], k_len, dtype=torch.bool)
+        prefix[:, : valid.shape[1]] = valid
+        visible = visible[None, None] & prefix.repeat_interleave(group, 0)[None, :, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), value.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
@@ -139,14 +144,16 @@ class HFReference:
     ) -> tuple[list[int], list[float]]:
         """Prefill the context, keep per attention layer and KV head only the positions in ``keep``
         (keep[l]: LongTensor [kv_heads, K_l]), then answer the question greedily from that cache.
-        Returns the tokens and the log-probability of each.
+        Returns the tokens and the log-probability of each. With per-head budgets keep[l] is a list of
+        one LongTensor [K_lh] per KV head: the heads' caches are padded to the longest and the padding
+        hidden.
 
         GDN states are left as the full prefill produced them; later tokens keep their true positions.
         ``attention``: the registered attention the question's tokens run with (the prefill runs with
         the model's current one).
         """
         model = self.model
-        cache = self._compacted_cache(context_ids, keep)
+        cache, valid = self._compacted_cache(context_ids, keep)
         with self._attention(attention):
             n = len(context_ids)
             generated: list[int] = []
@@ -156,7 +163,8 @@ class HFReference:
             for _ in range(max_new_tokens):
                 ids = torch.tensor([step_ids])
                 positions = torch.arange(position, position + len(step_ids))[None]
-                logits = model(ids, position_ids=positions, cache_position=positions[0], past_key_values=cache, use_cache=True).logits
+                logits = model(ids, position_ids=positions, cache_position=positions[0], past_key_values=cache,
+                               use_cache=True, **valid).logits
                 token = int(logits[0, -1].argmax())
                 generated.append(token)
                 logprobs.append(float(torch.log_softmax(logits[0, -1].float(), dim=-1)[token]))
@@ -170,11 +178,11 @@ class HFReference:
     ) -> list[float]:
         """log p(question_t | compacted context, question_<t) for t >= 1: a child's input_token_logprobs
         past its first question token, teacher-forced over the cache ``compacted_generate`` reads."""
-        cache = self._compacted_cache(context_ids, keep)
+        cache, valid = self._compacted_cache(context_ids, keep)
         with self._attention(attention):
             positions = torch.arange(len(context_ids), len(context_ids) + len(question_ids))[None]
             logits = self.model(torch.tensor([question_ids]), position_ids=positions, cache_position=positions[0],
-                                past_key_values=cache, use_cache=True).logits[0]
+                                past_key_values=cache, use_cache=True, **valid).logits[0]
         logp = torch.log_softmax(logits.float(), dim=-1)
         return [float(logp[t - 1, question_ids[t]]) for t in range(1, len(question_ids))]
 
@@ -189,16 +197,22 @@ class HFReference:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor]):
-        """The context's prefill cache with each attention layer cut to its kept positions per KV head."""
+    def _compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor | list[torch.Tensor]]):
+        """The context's prefill cache with each attention layer cut to its kept positions per KV head,
+        and the forward kwargs hiding per-head padding ({} when every head of a layer keeps as many)."""
         if len(keep) != len(self.attention_layer_ids):
             raise ValueError(f"keep has {len(keep)} layers, the model has {len(self.attention_layer_ids)} attention layers")
         cache = self.model(torch.tensor([context_ids]), use_cache=True).past_key_values
+        valid: dict[int, torch.Tensor] = {}
         for positions, layer_id in zip(keep, self.attention_layer_ids):
+            if isinstance(positions, list):  # per-head counts: pad with position 0, hidden by the mask
+                width = max(int(h.numel()) for h in positions)
+                valid[layer_id] = torch.stack([torch.arange(width) < h.numel() for h in positions])
+                positions = torch.stack([torch.cat([h.long(), h.new_zeros(width - h.numel()).long()]) for h in positions])
             layer = cache.layers[layer_id]
             index = positions.to(torch.long)[None, :, :, None].expand(-1, -1, -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        return cache
+        return cache, ({"kvx_prefix_valid": valid} if valid else {})
 
     @torch.no_grad()
     def compacted_route_generate(
@@ -213,7 +227,9 @@ class HFReference:
         import copy
 
         model = self.model
-        cache = self._compacted_cache(context_ids, keep)
+        cache, valid = self._compacted_cache(context_ids, keep)
+        if valid:
+            raise NotImplementedError("local-first decoding over per-head budgets (the server refuses it too)")
         _register_oracle_attention()
         previous = model.config._attn_implementation
         model.set_attn_implementation(ORACLE_ATTENTION)

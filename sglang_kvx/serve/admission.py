@@ -140,6 +140,13 @@ class Admission:
         if context is None:
             self._no_room_ever(request, self.make_room(wanted, tenant=tenant))
             return False
+        if state.decode is not None and context.layout.per_head:
+            if state.fields.decode is not None:
+                request.abort(f"sglang_kvx: decode step {state.decode.step!r} does not yet apply to a child of a context "
+                              f"compacted with per-head budgets (allocation {context.settings.allocation!r}); send it with "
+                              f"\"compact\": false, or compact the context with allocation 'flat'")
+                return False
+            state.decode = None  # the server's default is not applied to such children: full attention
         if state.decode is not None and state.decode.step_class.drops:
             if state.fields.decode is not None:
                 request.abort(f"sglang_kvx: decode step {state.decode.step!r} evicts entries, which does not yet "

@@ -430,6 +430,8 @@ def child_local_cells(span: Span, context: CompactedContext, layer: int, cells: 
     ``sinks`` and the last ``window`` of them are read (as the HF oracle's compacted cache has them);
     None when the span hides nothing there. The result reads the current token from the row and
     every other visible key as a cell (attention does not depend on key order)."""
+    if cells is not None and cells.head_own is not None:  # refused in admission: never here
+        raise NotImplementedError("a decode step over a context compacted with per-head budgets")
     num_slots, kept = context.num_slots, context.kept_per_layer[layer]
     total = kept + seq_len - num_slots  # the layer's keys, the current token last
     start, end = span.hidden(total)

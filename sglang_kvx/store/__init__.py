@@ -30,6 +30,10 @@ class PrefixCells(NamedTuple):
     num_slots: int  # S: the prefix's slots at the start of the row
     own: int  # this layer's ranks in its own buffer: row slots [0, own); [own, S) are masked out
     borrowed: tuple[tuple[int, torch.Tensor], ...] = ()  # (layer_id of a buffer, slots there): its further ranks
+    # Per-head budgets: each KV head's own count (``own`` is then their minimum) and its further ranks,
+    # as (layer_id of a buffer, KV head there, slots there); ``borrowed`` is then empty.
+    head_own: tuple[int, ...] | None = None
+    head_borrowed: tuple[tuple[tuple[int, int, torch.Tensor], ...], ...] | None = None
 
 
 @dataclass
@@ -39,7 +43,7 @@ class CompactedContext:
     slots: torch.Tensor  # LongTensor [S]: pool slots holding the kept entries (rank order)
     kept_per_layer: list[int]
     layout: PrefixLayout  # which cells of which layer's buffer hold each layer's ranks
-    keep_positions: list[torch.Tensor] = field(default_factory=list)  # per layer [kv_heads, K_l]
+    keep_positions: list[torch.Tensor | list[torch.Tensor]] = field(default_factory=list)  # per layer [kv_heads, K_l] (per-head budgets: a list of [K_lh])
     gdn_snapshot: Any = None  # the parent's recurrent states (KVPool.snapshot_state), or None
     timings: dict[str, float] = field(default_factory=dict)
     # Per attention layer, what attention reads beyond the backend's plain row (None: plain).
@@ -56,7 +60,7 @@ class CompactedContext:
     @functools.cached_property
     def keep_positions_lists(self) -> list[list[list[int]]]:
         """``keep_positions`` as plain lists, converted once (every stats call ships them)."""
-        return [p.tolist() for p in self.keep_positions]
+        return [[h.tolist() for h in p] if isinstance(p, list) else p.tolist() for p in self.keep_positions]
 
     @property
     def num_slots(self) -> int:
