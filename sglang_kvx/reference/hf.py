@@ -230,9 +230,6 @@ class HFReference:
         cache, valid = self._compacted_cache(context_ids, keep)
         if valid:
             raise NotImplementedError("local-first decoding over per-head budgets (the server refuses it too)")
-        _register_oracle_attention()
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(ORACLE_ATTENTION)
 
         def forward(ids: list[int], position: int, cache, span=None) -> tuple[torch.Tensor, torch.Tensor]:
             positions = torch.arange(position, position + len(ids))[None]
@@ -241,7 +238,7 @@ class HFReference:
                                  past_key_values=cache, use_cache=True, **extra).last_hidden_state[0, -1]
             return hidden.float(), model.lm_head(hidden).float()
 
-        try:
+        with self._attention(ORACLE_ATTENTION):
             position = len(context_ids)
             prev_h, logits = forward(list(question_ids), position, cache)
             position += len(question_ids)
@@ -263,8 +260,6 @@ class HFReference:
                 full_steps.append(full)
                 position += 1
             return tokens, logprobs, full_steps
-        finally:
-            model.set_attn_implementation(previous)
 
     @torch.no_grad()
     def span_generate(
