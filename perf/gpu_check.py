@@ -34,8 +34,14 @@ from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention  # noqa: 
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention  # noqa: E402
 from sglang_kvx.ops.block_sparse import (  # noqa: E402
     block_sparse_attention, compress_blocks, row_blocks, select_blocks)
-from sglang_kvx.ops.state_snapshot import _cupy_available, restore_states, snapshot_states  # noqa: E402
-from sglang_kvx.ops.window_attention import flashinfer_supports, window_attention  # noqa: E402
+from sglang_kvx.ops.dispatch import cupy_available, flashinfer_available  # noqa: E402
+from sglang_kvx.ops.flashinfer_plans import flashinfer_shapes  # noqa: E402
+from sglang_kvx.ops.state_snapshot import restore_states, snapshot_states  # noqa: E402
+from sglang_kvx.ops.window_attention import window_attention  # noqa: E402
+
+
+def _flashinfer_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return q.is_cuda and flashinfer_available() and flashinfer_shapes(q, k_cache, v_cache) is None
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[torch.Tensor, float | None]:
@@ -140,7 +146,7 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
     q_positions = torch.arange(n - queries, n, device=device)
     lo, hi = torch.zeros(queries, dtype=torch.long, device=device), q_positions // 4 + 1
     checks = []
-    impls = ["triton"] + (["cupy"] if device.type == "cuda" and _cupy_available() else [])
+    impls = ["triton"] + (["cupy"] if device.type == "cuda" and cupy_available() else [])
     want_keys, torch_s = timed(lambda: compress_blocks(k_cache, block_slots, impl="torch"), device, repeats)
     for impl in impls:
         got, impl_s = timed(lambda: compress_blocks(k_cache, block_slots, impl=impl), device, repeats)
@@ -157,7 +163,7 @@ def check_block_sparse(device: torch.device, repeats: int, n: int, queries: int,
                    "torch_reference_s": torch_s})
     args = (q, k_cache, v_cache, block_slots, block_positions, want_sel, q_positions, dim ** -0.5)
     want, torch_s = timed(lambda: block_sparse_attention(*args, impl="torch"), device, repeats)
-    for impl in ["triton"] + (["flashinfer"] if flashinfer_supports(q, k_cache, v_cache) else []):
+    for impl in ["triton"] + (["flashinfer"] if _flashinfer_takes(q, k_cache, v_cache) else []):
         got, impl_s = timed(lambda: block_sparse_attention(*args, impl=impl), device, repeats)
         checks.append({"case": f"block_sparse_attention_{impl}_{n}", "tolerance": tolerance(dtype),
                        "max_abs_err": float((got.float() - want.float()).abs().max()), f"{impl}_s": impl_s,
@@ -180,7 +186,7 @@ def check_window_attention(device: torch.device, repeats: int, batch: int, seq_l
                 scaling=dim ** -0.5)
     want, torch_s = timed(lambda: window_attention(**case, impl="torch"), device, repeats)
     checks = []
-    for impl in ["triton"] + (["flashinfer"] if flashinfer_supports(case["q"], case["k_cache"], case["v_cache"]) else []):
+    for impl in ["triton"] + (["flashinfer"] if _flashinfer_takes(case["q"], case["k_cache"], case["v_cache"]) else []):
         got, impl_s = timed(lambda: window_attention(**case, impl=impl), device, repeats)
         checks.append({"case": f"window_attention_{impl}_{seq_len}", "tolerance": tolerance(dtype),
                        "max_abs_err": float((got.float() - want.float()).abs().max()), f"{impl}_s": impl_s,
@@ -196,7 +202,7 @@ def check_state_snapshot(device: torch.device, repeats: int, slots: int, rows: i
     chosen = (torch.randperm(slots - 1, generator=g)[:rows] + 1).to(device)
     want, torch_s = timed(lambda: snapshot_states(states, chosen, slot_dim=1, impl="torch"), device, repeats)
     checks = []
-    for impl in ["triton"] + (["cupy"] if device.type == "cuda" and _cupy_available() else []):
+    for impl in ["triton"] + (["cupy"] if device.type == "cuda" and cupy_available() else []):
         got, impl_s = timed(lambda: snapshot_states(states, chosen, slot_dim=1, impl=impl), device, repeats)
         snap_err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, want))
         scratch = [torch.zeros_like(s) for s in states]

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py --setup      # once: .venv-kvpress (below)
     OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py [--policies keydiff,snapkv] [--fractions 0.5,0.2,0.1] \\
         [--tasks niah_single_1,niah_single_2,niah_multivalue] [--length 1024] [--samples 10] [--seed 0] \\
-        [--max-new-tokens 32] [--url URL] [--out FILE]
+        [--max-new-tokens 32] [--url URL] [--out FILE] [--answers DIR [--side kvpress|server|both]]
 
 For every policy both implement and every keep fraction p (and the full cache, p = 1) it prints one
 JSON object: each side's suite score (RULER metric x 100, the runner's ``METRICS`` on ``postprocess``ed
@@ -35,6 +35,12 @@ context to be the chat template's system prompt and user header (their count fro
 template: 24 on SmolLM2-135M-Instruct) and neither reconstructs nor scores them, so it evicts positions
 4-23 of a raw context first; its reconstruction prompt ends in the template's assistant header, as the
 server's does.
+
+Long runs (``--answers DIR``): each side's answers are kept in ``DIR/kvpress.json`` and
+``DIR/server.json`` with a fingerprint of the job (model, dtype, methods, the prompts' ids,
+max_new_tokens); a run finding a side's file with the same fingerprint reads it instead of running
+that side again. ``--side kvpress`` or ``--side server`` runs one side only and stops (two such runs
+can go side by side; a last run with both files present prints the comparison).
 
 Isolation (``--setup``, or the first run): kvpress 0.5.5 pins ``transformers<5.3`` where SGLang 0.5.23
 runs on 5.19, so kvpress lives in its own venv, ``.venv-kvpress`` (git-ignored), and runs as a
@@ -284,7 +290,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a running compacting SGLang server with the extension (--kvx-policy other than none): "
                              "use it instead of starting one; its model is what kvpress loads too")
     parser.add_argument("--out", default=None, help="also write the JSON object to this file")
+    parser.add_argument("--answers", default=None, metavar="DIR",
+                        help="keep each side's answers in DIR (kvpress.json, server.json) and reuse them when the "
+                             "job is the same")
+    parser.add_argument("--side", choices=("both", "kvpress", "server"), default="both",
+                        help="run one side only and stop (needs --answers; default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.side != "both" and not args.answers:
+        parser.error("--side kvpress|server keeps its answers for a later run: give --answers DIR")
 
     python = setup_venv()
     if args.setup:
@@ -326,19 +339,29 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = build_prompts(tasks, args.length, args.samples, args.seed, tokenizer)
 
-    kvpress_side = run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens)
-
-    # As the runner starts its server: every request names its policy, the server's own is irrelevant.
-    context_length = (2 if "kvzip" in policies else 1) * args.length + args.max_new_tokens + 128
-    server = server_or_url(args.url, model, "--kvx-policy", policies[0] if policies else "random",
-                           "--context-length", str(context_length), "--dtype", dtype,
-                           max_total_tokens=max(16384, 16 * args.length))
-    with server:
-        if args.url is None:
-            served_info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
-        else:
-            served_info = served.summary()
-        ours = run_server(server.url, methods, prompts, args.max_new_tokens)
+    job = _fingerprint(model, dtype, methods, prompts, args.max_new_tokens)
+    kept = Path(args.answers) if args.answers else None
+    kvpress_side = _kept(kept, "kvpress", job)
+    if kvpress_side is None and args.side != "server":
+        kvpress_side = _keep(kept, "kvpress", job, run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens))
+    server_side = _kept(kept, "server", job)
+    if server_side is None and args.side != "kvpress":
+        # As the runner starts its server: every request names its policy, the server's own is irrelevant.
+        context_length = (2 if "kvzip" in policies else 1) * args.length + args.max_new_tokens + 128
+        server = server_or_url(args.url, model, "--kvx-policy", policies[0] if policies else "random",
+                               "--context-length", str(context_length), "--dtype", dtype,
+                               max_total_tokens=max(16384, 16 * args.length))
+        with server:
+            if args.url is None:
+                served_info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
+            else:
+                served_info = served.summary()
+            answers = run_server(server.url, methods, prompts, args.max_new_tokens)
+        server_side = _keep(kept, "server", job, {"server": served_info, "answers": answers})
+    if kvpress_side is None or server_side is None:
+        print(f"{args.side} side kept in {kept}; run again without --side to compare", file=sys.stderr)
+        return 0
+    ours, served_info = server_side["answers"], server_side["server"]
 
     rows = compare(methods, prompts, ours, kvpress_side["answers"], _stop_ids(model, tokenizer))
     result = {
@@ -357,6 +380,35 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _fingerprint(model: str, dtype: str, methods: list, prompts: list[dict], max_new_tokens: int) -> str:
+    import hashlib
+
+    job = [Path(model).name, dtype, methods, [[p["context_ids"], p["question_ids"]] for p in prompts], max_new_tokens]
+    return hashlib.sha256(json.dumps(job).encode()).hexdigest()
+
+
+def _kept(folder: Path | None, side: str, job: str) -> dict | None:
+    """A side's kept answers for this very job, else None."""
+    path = folder / f"{side}.json" if folder is not None else None
+    if path is None or not path.exists():
+        return None
+    kept = json.loads(path.read_text())
+    if kept.get("job") != job:
+        print(f"{path}: kept for another job; running the {side} side again", file=sys.stderr)
+        return None
+    print(f"{path}: the {side} side's answers, kept by an earlier run", file=sys.stderr)
+    return kept["result"]
+
+
+def _keep(folder: Path | None, side: str, job: str, result: dict) -> dict:
+    if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{side}.json"
+        path.with_suffix(".tmp").write_text(json.dumps({"job": job, "result": result}))
+        path.with_suffix(".tmp").replace(path)
+    return result
 
 
 def _served_dtype(model: str, server_dtype: str | None = None) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_kvx.allocate import allocation_tp_problem
+from sglang_kvx.checkpoint import text_config
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 
 # Each flag: (dest, default, help). Kept as strings on the command line and
@@ -91,12 +92,6 @@ def parse_keep_fraction(raw: str | float) -> float:
 
 def parse_protected_prefix_len(raw: str | int) -> int:
     return parse_count(raw, "--kvx-protected-prefix-len")
-
-
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config: multimodal checkpoints (Qwen3.5) nest it as ``text_config``."""
-    nested = cfg.get("text_config")
-    return nested if isinstance(nested, dict) else cfg
 
 
 def layer_kinds(cfg: dict[str, Any]) -> list[str]:

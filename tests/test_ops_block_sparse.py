@@ -182,9 +182,9 @@ def test_extra_cells_read_as_the_pool_cells_they_replace() -> None:
 
 @pytest.mark.gpu
 def test_the_cupy_compression_matches_the_reference() -> None:
-    from sglang_kvx.ops.state_snapshot import _cupy_available
+    from sglang_kvx.ops.dispatch import cupy_available
 
-    if not _cupy_available():
+    if not cupy_available():
         pytest.skip("cupy with a CUDA device is not available (the optional 'gpu' extra)")
     case = with_extra_cells(random_row(8))
     k_cache, slots, extra = case["k_cache"].cuda(), case["block_slots"].cuda(), case["extra_keys"].cuda()
@@ -201,8 +201,8 @@ def test_flashinfer_path_plumbing_with_a_stand_in(monkeypatch) -> None:
 
     from test_ops_window_attention import _StandInDecodeWrapper
 
-    from sglang_kvx.ops import window_attention as window_module
     from sglang_kvx.ops.flashinfer_block_sparse import block_sparse_attention_flashinfer
+    from sglang_kvx.ops.flashinfer_plans import DecodePlans
 
     try:
         import flashinfer
@@ -214,15 +214,15 @@ def test_flashinfer_path_plumbing_with_a_stand_in(monkeypatch) -> None:
     stand_in = type(sys)("flashinfer")
     stand_in.BatchDecodeWithPagedKVCacheWrapper = _StandInDecodeWrapper
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
-    monkeypatch.setattr(window_module, "_flashinfer_wrappers", {})
-    monkeypatch.setattr(window_module, "_FLASHINFER_WORKSPACE_BYTES", 16)
+    plans = DecodePlans(workspace_bytes=16)
     case = random_row(9, n=45, queries=7)
     keys = compress_blocks(case["k_cache"], case["block_slots"])
     chosen = select_blocks(case["q"], keys, case["block_from"], case["block_to"], 4, 1, case["scaling"])
     args = (case["q"], case["k_cache"], case["v_cache"], case["block_slots"], case["block_positions"], chosen,
             case["q_positions"], case["scaling"])
-    got = block_sparse_attention_flashinfer(*args)
+    got = block_sparse_attention_flashinfer(*args, plans=plans)
     assert torch.allclose(got, block_sparse_attention(*args, impl="torch"), atol=1e-5)
+    assert plans.plan_count == 1  # one plan for every (query, KV head) pair, not one per KV head
 
 
 def test_bad_dispatch_is_refused(monkeypatch) -> None:
@@ -230,11 +230,27 @@ def test_bad_dispatch_is_refused(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="needs cupy"):
         compress_blocks(case["k_cache"], case["block_slots"], impl="cupy")  # CPU tensors
     chosen = torch.zeros((case["q"].shape[0], 2, 1), dtype=torch.long)
-    with pytest.raises(RuntimeError, match="FlashInfer block-sparse attention needs"):
+    with pytest.raises(RuntimeError, match="FlashInfer block sparse attention needs"):
         block_sparse_attention(case["q"], case["k_cache"], case["v_cache"], case["block_slots"], case["block_positions"],
                                chosen, case["q_positions"], case["scaling"], impl="flashinfer")
-    monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "cuda")
-    with pytest.raises(ValueError, match="SGLANG_KVX_BLOCK_SPARSE_IMPL"):
+    with pytest.raises(ValueError, match="block_select: impl must be one of auto, triton, torch; got 'cupy'"):
+        select_blocks(case["q"], compress_blocks(case["k_cache"], case["block_slots"]), case["block_from"],
+                      case["block_to"], 4, 1, case["scaling"], impl="cupy")
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "cuda")
+    with pytest.raises(ValueError, match="SGLANG_KVX_OPS_IMPL"):
+        compress_blocks(case["k_cache"], case["block_slots"])
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "block_compress=flashinfer")
+    with pytest.raises(ValueError, match="block_compress offers cupy, triton, torch"):
+        compress_blocks(case["k_cache"], case["block_slots"])
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "block_compress=cupy")  # asked for by the environment: CPU tensors
+    with pytest.raises(RuntimeError, match="needs cupy"):
+        compress_blocks(case["k_cache"], case["block_slots"])
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "cupy")  # bare: only the ops offering it; select runs its own auto
+    select_blocks(case["q"], compress_blocks(case["k_cache"], case["block_slots"], impl="torch"), case["block_from"],
+                  case["block_to"], 4, 1, case["scaling"])
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "")
+    monkeypatch.setenv("SGLANG_KVX_BLOCK_SPARSE_IMPL", "torch")  # retired: said so, not ignored
+    with pytest.raises(ValueError, match="replaced by SGLANG_KVX_OPS_IMPL"):
         compress_blocks(case["k_cache"], case["block_slots"])
 
 

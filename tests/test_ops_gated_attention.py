@@ -127,8 +127,12 @@ def test_cpu_dispatch_is_the_reference_and_bad_kinds_are_refused(monkeypatch) ->
     assert torch.equal(gated_attention(**case), gated_attention_reference(**case))
     with pytest.raises(ValueError, match="attention kind"):
         gated_attention_reference(**{**case, "kind": "relu"})
-    monkeypatch.setenv("SGLANG_KVX_GATED_ATTENTION_IMPL", "cuda")
-    with pytest.raises(ValueError, match="SGLANG_KVX_GATED_ATTENTION_IMPL"):
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "gated_attention=cuda")
+    with pytest.raises(ValueError, match="SGLANG_KVX_OPS_IMPL"):
+        gated_attention(**case)
+    monkeypatch.setenv("SGLANG_KVX_OPS_IMPL", "")
+    monkeypatch.setenv("SGLANG_KVX_GATED_ATTENTION_IMPL", "torch")  # retired: said so, not ignored
+    with pytest.raises(ValueError, match="replaced by SGLANG_KVX_OPS_IMPL"):
         gated_attention(**case)
 
 

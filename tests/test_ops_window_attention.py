@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-import sglang_kvx.ops.window_attention as window_module
+from sglang_kvx.ops.flashinfer_plans import DecodePlans
+from sglang_kvx.ops.flashinfer_window_attention import window_attention_flashinfer
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention_reference
 from sglang_kvx.ops.window_attention import window_attention, window_attention_reference
 
@@ -193,10 +194,32 @@ def test_flashinfer_path_plumbing_with_a_stand_in(monkeypatch) -> None:
     stand_in.BatchDecodeWithPagedKVCacheWrapper = _StandInDecodeWrapper
     stand_in.merge_state = _stand_in_merge_state
     monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
-    monkeypatch.setattr(window_module, "_flashinfer_wrappers", {})
-    monkeypatch.setattr(window_module, "_FLASHINFER_WORKSPACE_BYTES", 16)
-    for kv_heads, heads in [(2, 4), (1, 8)]:
+    for kv_heads, heads in [(2, 4), (1, 8)]:  # plain and tensor-core wrappers (group 8 > 4)
         case = random_case(6, kv_heads=kv_heads, heads=heads, v_dim=24)  # FlashInfer needs D == Dv
-        got = window_module.window_attention_flashinfer(**case)
+        got = window_attention_flashinfer(**case, plans=DecodePlans(workspace_bytes=16))
         assert torch.allclose(got, window_attention_reference(**case), atol=1e-5)
-    assert len(window_module._flashinfer_wrappers) == 2  # plain and tensor-core wrappers (group 8 > 4)
+
+
+def test_flashinfer_plans_once_per_batch_and_key(monkeypatch) -> None:
+    """Plan once, run many: the layers of one forward batch that hide the same ranges (one key) share
+    the window plan and the sinks plan; another key or the next batch plans anew; no key plans each call."""
+    _StandInDecodeWrapper.real = None
+    stand_in = type(sys)("flashinfer")
+    stand_in.BatchDecodeWithPagedKVCacheWrapper = _StandInDecodeWrapper
+    stand_in.merge_state = _stand_in_merge_state
+    monkeypatch.setitem(sys.modules, "flashinfer", stand_in)
+    plans = DecodePlans(workspace_bytes=16)
+    case = random_case(6, v_dim=24)  # FlashInfer needs D == Dv
+    other = {**case, "window": case["window"] + 1}  # another layer hiding other ranges
+    want, want_other = window_attention_reference(**case), window_attention_reference(**other)
+    for layer in range(4):  # four layers of one batch: two plans (window, sinks) made by the first
+        assert torch.allclose(window_attention_flashinfer(**case, plans=plans, plan_key="hidden-a"), want, atol=1e-5)
+    assert plans.plan_count == 2
+    assert torch.allclose(window_attention_flashinfer(**other, plans=plans, plan_key="hidden-b"), want_other, atol=1e-5)
+    assert plans.plan_count == 4
+    plans.begin_batch()  # the next forward batch: its cells are new
+    assert torch.allclose(window_attention_flashinfer(**other, plans=plans, plan_key="hidden-a"), want_other, atol=1e-5)
+    assert plans.plan_count == 6
+    window_attention_flashinfer(**case, plans=plans)
+    window_attention_flashinfer(**case, plans=plans)
+    assert plans.plan_count == 10

@@ -223,7 +223,7 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     out, block_keys = paged_block_sparse_attention(
         q.reshape(-1, num_heads, head_dim), k_cache, v_cache, row_keys, q_lens, budget // BLOCK, 1, layer.scaling,
         extra_keys=torch.cat(extra_k) if extra_k else None, extra_values=torch.cat(extra_v) if extra_v else None,
-        known_block_keys=[sparse_index.known(row, layer_key) for row in batch.rows])
+        known_block_keys=[sparse_index.known(row, layer_key) for row in batch.rows], plans=link.kernel_plans)
     for row, keys, slots in zip(batch.rows, block_keys, row_keys):
         sparse_index.keep(row, layer_key, keys, slots.numel())
     return out.reshape(-1, num_heads * layer.v_head_dim)
@@ -266,7 +266,7 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
             extra_counts[i] += at.numel()
         if per_head:
             head_counts[i] = extra_counts[i]
-    hidden = hidden.to(rows.device)
+    hidden_cpu, hidden = hidden, hidden.to(rows.device)
     k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
     v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
     if decode and not extra_k and not per_head:
@@ -274,9 +274,14 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
         # (a row hiding nothing reads all: window 0) -- the kernel layer's windowed decode op.
         seq_lens = forward_batch.seq_lens
         window = torch.where(hidden[1] > hidden[0], seq_lens - hidden[1], torch.zeros_like(seq_lens))
+        link = link_of(backend)
+        view = link.batch(forward_batch)
+        # Layers hiding the same ranges read the same cells: FlashInfer plans once for all of them.
+        plan_key = (tuple(view.rows), tuple(view.seq_lens), tuple(hidden_cpu.flatten().tolist()))
         out = window_attention(q.reshape(-1, num_heads, head_dim), k_cache, v_cache,
                                backend.req_to_token_pool.req_to_token, rows, seq_lens, hidden[0], window,
-                               scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale)
+                               scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale,
+                               plans=link.kernel_plans, plan_key=plan_key)
         return out.reshape(-1, num_heads * layer.v_head_dim)
     extra_indptr = torch.tensor([0] + extra_counts).cumsum(0).to(rows.device)
     out = prefix_cells_attention(

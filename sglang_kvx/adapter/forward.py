@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_kvx.adapter.views import SGLangBatch
+from sglang_kvx.ops.flashinfer_plans import DecodePlans
 
 LINK_ATTR = "_kvx_link"
 
@@ -18,11 +19,12 @@ LINK_ATTR = "_kvx_link"
 class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
-    __slots__ = ("runtime", "metrics", "_batch")
+    __slots__ = ("runtime", "metrics", "kernel_plans", "_batch")
 
     def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
         self.metrics = metrics  # adapter.metrics.KvxMetrics with --enable-metrics, else None
+        self.kernel_plans = DecodePlans()  # FlashInfer wrappers: planned once per forward batch, run per layer
         self._batch: SGLangBatch | None = None
 
     def batch(self, forward_batch: Any) -> SGLangBatch:
@@ -30,6 +32,7 @@ class Link:
         view = self._batch
         if view is None or view.fb.req_pool_indices is not forward_batch.req_pool_indices or view.fb.forward_mode != forward_batch.forward_mode:
             view = self._batch = SGLangBatch(forward_batch)
+            self.kernel_plans.begin_batch()
         return view
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sglang_kvx.checkpoint import text_config
 from sglang_kvx.ops.gatesight import mlp_utility
 
 FORMAT = "sglang_kvx.gatesight/1"
@@ -67,8 +68,6 @@ def train_command(model_path: str | Path) -> str:
     if sum(f.stat().st_size for f in root.glob("*.safetensors")) >= _GPU_HINT_BYTES:
         command += " --device cuda"
         try:
-            from sglang_kvx.config import text_config
-
             cfg = text_config(json.loads((root / "config.json").read_text()))
             dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
         except (OSError, ValueError):

@@ -25,35 +25,25 @@ A slot at or past the pool's size P names row ``slot - P`` of ``extra_keys`` / `
 cells a compacted layer borrowed from other layers' buffers (``compact/layout.py``), gathered once
 per forward, so a regrouped child's blocks may span both.
 
-Each op has a torch reference (the source of truth) and a Triton kernel behind one dispatch
-(``SGLANG_KVX_BLOCK_SPARSE_IMPL`` = auto | torch | triton | cupy | flashinfer; auto: Triton on CUDA;
-the block compression runs a CuPy kernel where CuPy imports, ``ops/cupy_block_sparse.py``, and the
-attention FlashInfer's batch decode where it imports, ``ops/flashinfer_block_sparse.py``: SGLang's
-pool is a paged cache of page size 1, so the chosen blocks' cells are each query's page list; both
-untested on a GPU here).
+Each op has a torch reference (the source of truth) and a Triton kernel, chosen by the kernel
+layer's one dispatch (``ops/dispatch.py``: ops ``block_compress``, ``block_select``,
+``block_sparse_attention``; auto: Triton on CUDA; the block compression runs a CuPy kernel where
+CuPy imports, ``ops/cupy_block_sparse.py``, and the attention FlashInfer's batch decode where it
+imports, ``ops/flashinfer_block_sparse.py``: SGLang's pool is a paged cache of page size 1, so the
+chosen blocks' cells are each query's page list; both untested on a GPU here).
 Math in float32; outputs in q's dtype.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-BLOCK = 4  # entries per block (the seed's four-token blocks)
-_IMPLS = ("auto", "torch", "triton", "cupy", "flashinfer")  # cupy: the compression; flashinfer: the attention
+from sglang_kvx.ops.block_layout import BLOCK
+from sglang_kvx.ops.dispatch import choose, where_offered
+from sglang_kvx.ops.flashinfer_plans import DecodePlans, flashinfer_shapes
 
-
-def _impl(impl: str | None) -> str:
-    impl = impl or os.environ.get("SGLANG_KVX_BLOCK_SPARSE_IMPL", "auto")
-    if impl not in _IMPLS:
-        raise ValueError(f"SGLANG_KVX_BLOCK_SPARSE_IMPL must be one of {_IMPLS}, got {impl!r}")
-    return impl
-
-
-def _use_triton(impl: str | None, device: torch.device) -> bool:
-    impl = _impl(impl)
-    return impl == "triton" or (impl in ("auto", "cupy", "flashinfer") and device.type == "cuda")
+__all__ = ["BLOCK", "block_sparse_attention", "compress_blocks", "paged_block_sparse_attention", "row_blocks",
+           "select_blocks"]
 
 
 def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,17 +94,13 @@ def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor,
 
 def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None,
                     extra_keys: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatch: CuPy on CUDA where it imports (else Triton on CUDA), the reference elsewhere."""
-    from sglang_kvx.ops.state_snapshot import _cupy_available
-
-    chosen = _impl(impl)
-    if chosen == "cupy" or (chosen == "auto" and k_cache.is_cuda and _cupy_available()):
-        if not (k_cache.is_cuda and _cupy_available()):
-            raise RuntimeError("the CuPy block compression needs cupy (the optional 'gpu' extra) and CUDA tensors")
+    """Dispatch (op ``block_compress``): CuPy on CUDA where it imports (else Triton on CUDA), the reference elsewhere."""
+    chosen = choose("block_compress", impl, k_cache.device)
+    if chosen == "cupy":
         from sglang_kvx.ops.cupy_block_sparse import compress_blocks_cupy
 
         return compress_blocks_cupy(k_cache, block_slots, extra_keys)
-    if _use_triton(impl, k_cache.device):
+    if chosen == "triton":
         from sglang_kvx.ops.triton_block_sparse import compress_blocks_triton
 
         return compress_blocks_triton(k_cache, block_slots, extra_keys)
@@ -174,7 +160,7 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
         raise ValueError(f"budget_blocks must hold the {sink_blocks} sink blocks and the local one, got {budget_blocks}")
     if bool((block_to <= block_from).any()):
         raise ValueError("every query must see at least its own block")
-    if _use_triton(impl, q.device):
+    if choose("block_select", impl, q.device) == "triton":
         from sglang_kvx.ops.triton_block_sparse import block_scores_triton
 
         scores = block_scores_triton(q, block_keys, block_from, block_to, scaling)
@@ -214,23 +200,25 @@ def block_sparse_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_c
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_slots: torch.Tensor,
                            block_positions: torch.Tensor, selected: torch.Tensor, q_positions: torch.Tensor,
                            scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
-                           extra_values: torch.Tensor | None = None) -> torch.Tensor:
+                           extra_values: torch.Tensor | None = None, plans: DecodePlans | None = None) -> torch.Tensor:
     """[N, Hq, Dv]: each query head over its KV head's selected blocks (entries at or before it).
-    Dispatch: FlashInfer on CUDA where it imports and takes the shapes (cells in the pool only),
-    else Triton on CUDA, else the reference."""
-    from sglang_kvx.ops.window_attention import flashinfer_supports
-
-    chosen = _impl(impl)
+    Dispatch (op ``block_sparse_attention``): FlashInfer on CUDA where it imports and takes the
+    shapes (cells in the pool only; ``plans``: the forward batch's wrappers), else Triton on CUDA,
+    else the reference."""
     in_pool = extra_keys is None or extra_keys.numel() == 0
-    if chosen == "flashinfer" or (chosen == "auto" and in_pool and flashinfer_supports(q, k_cache, v_cache)):
-        if not (in_pool and flashinfer_supports(q, k_cache, v_cache)):
-            raise RuntimeError("the FlashInfer block-sparse attention needs flashinfer, CUDA tensors, fp16/bf16 q, "
-                               "K and V of one head size in (64, 128, 256), and every cell in the pool")
+
+    def supports(name: str) -> str | None:
+        if name != "flashinfer":
+            return None
+        return flashinfer_shapes(q, k_cache, v_cache) or (None if in_pool else "every cell in the pool")
+
+    chosen = choose("block_sparse_attention", impl, q.device, supports)
+    if chosen == "flashinfer":
         from sglang_kvx.ops.flashinfer_block_sparse import block_sparse_attention_flashinfer
 
         return block_sparse_attention_flashinfer(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                                 q_positions, scaling)
-    if _use_triton(impl, q.device):
+                                                 q_positions, scaling, plans if plans is not None else DecodePlans())
+    if chosen == "triton":
         from sglang_kvx.ops.triton_block_sparse import block_sparse_attention_triton
 
         return block_sparse_attention_triton(q, k_cache, v_cache, block_slots, block_positions, selected,
@@ -244,13 +232,14 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
                                  extra_values: torch.Tensor | None = None,
                                  known_block_keys: list[torch.Tensor | None] | None = None,
-                                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                                 plans: DecodePlans | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Block-sparse attention for a batch of rows: row b's keys are the entries ``row_keys[b]``
     (slots, in order: a plain row's ``req_to_token[row, :seq_len]``; a child's kept entries of the
     layer, then its own), grouped into blocks of four in that order, its last ``q_lens[b]`` the
     queries (q [sum q_lens, Hq, D], row after row). ``known_block_keys[b]``: compressed keys of the
     row's first blocks from an earlier call (their entries unchanged); only the rest are built.
-    Returns the output and each row's compressed keys, all its blocks (the last may be partial)."""
+    Returns the output and each row's compressed keys, all its blocks (the last may be partial).
+    ``impl`` steers each of the three ops that offers it (the others choose their own, as auto)."""
     slots, positions, block_from, block_to, q_positions, fresh, known = [], [], [], [], [], [], []
     offset = 0
     device = q.device
@@ -268,11 +257,12 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         block_from.append(torch.full((q_len,), offset, dtype=torch.long, device=device))
         block_to.append(offset + query_positions // BLOCK + 1)
         offset += block_slots.shape[0]
-    built = compress_blocks(k_cache, torch.cat(fresh), impl, extra_keys).split([f.shape[0] for f in fresh])
+    built = compress_blocks(k_cache, torch.cat(fresh), where_offered("block_compress", impl),
+                            extra_keys).split([f.shape[0] for f in fresh])
     per_row = [torch.cat([have, new]) for have, new in zip(known, built)]
     block_slots, block_positions = torch.cat(slots), torch.cat(positions)
     chosen = select_blocks(q, torch.cat(per_row), torch.cat(block_from), torch.cat(block_to), budget_blocks,
-                           sink_blocks, scaling, impl)
+                           sink_blocks, scaling, where_offered("block_select", impl))
     out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
-                                 scaling, impl, extra_keys, extra_values)
+                                 scaling, where_offered("block_sparse_attention", impl), extra_keys, extra_values, plans)
     return out, per_row

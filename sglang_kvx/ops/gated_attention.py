@@ -33,27 +33,12 @@ custom attention variants could express the sigmoid form; that seam is left to a
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
-KINDS = ("softmax", "sigmoid")
-_IMPLS = ("auto", "torch", "triton")
+from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.gated_layout import KINDS, FoldedKeys
 
-
-@dataclass(frozen=True)
-class FoldedKeys:
-    """Rows whose older entries were re-folded out of their cells: row b does not read its row
-    indices [hidden_from[b], hidden_to[b]); instead it reads the extra keys
-    ``keys[indptr[b]:indptr[b + 1]]`` (with their values and gates), which precede all its queries."""
-
-    hidden_from: torch.Tensor  # [B]
-    hidden_to: torch.Tensor  # [B]
-    keys: torch.Tensor  # [E, Hkv, D]
-    values: torch.Tensor  # [E, Hkv, Dv]
-    gates: torch.Tensor | None  # [E] (None in a layer without a gate)
-    indptr: torch.Tensor  # [B + 1]
+__all__ = ["KINDS", "FoldedKeys", "gated_attention", "gated_attention_reference"]
 
 
 def gated_attention_reference(
@@ -125,12 +110,14 @@ def gated_attention(
     folded: FoldedKeys | None = None, impl: str | None = None, key_keep: dict[int, torch.Tensor] | None = None,
     weight_sums: dict[int, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """Dispatch (``SGLANG_KVX_GATED_ATTENTION_IMPL`` = auto | torch | triton overrides)."""
-    impl = impl or os.environ.get("SGLANG_KVX_GATED_ATTENTION_IMPL", "auto")
-    if impl not in _IMPLS:
-        raise ValueError(f"SGLANG_KVX_GATED_ATTENTION_IMPL must be one of {_IMPLS}, got {impl!r}")
-    per_head = bool(key_keep) or bool(weight_sums)  # the Triton kernel takes neither yet
-    if not per_head and (impl == "triton" or (impl == "auto" and q.is_cuda)):
+    """Dispatch (``ops/dispatch.py``, op ``gated_attention``): Triton on CUDA, the reference elsewhere
+    and for rows with per-head keep masks or weight sums, which the Triton kernel takes neither of yet."""
+    per_head = bool(key_keep) or bool(weight_sums)
+
+    def supports(name: str) -> str | None:
+        return "rows without per-head keep masks or weight sums" if name == "triton" and per_head else None
+
+    if choose("gated_attention", impl, q.device, supports) == "triton":
         from sglang_kvx.ops.triton_gated_attention import gated_attention_triton
 
         return gated_attention_triton(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,

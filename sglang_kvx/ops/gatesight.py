@@ -10,9 +10,9 @@ and the torch reference otherwise; the reference is the source of truth.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from sglang_kvx.ops.dispatch import choose
 
 
 def mlp_utility_reference(
@@ -37,28 +37,17 @@ def mlp_utility(
     b1: torch.Tensor,
     w2: torch.Tensor,
     b2: torch.Tensor,
-    impl: str = "auto",
+    impl: str | None = None,
 ) -> torch.Tensor:
-    """[L, H, n] float32 utilities. impl: "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"."""
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-    use_triton = impl == "triton" or (impl == "auto" and features.is_cuda and _triton_available())
-    if not use_triton:
+    """[L, H, n] float32 utilities. impl: see ``ops/dispatch.py`` (op ``gatesight_utility``; auto:
+    Triton on CUDA, torch elsewhere)."""
+    if choose("gatesight_utility", impl, features.device) != "triton":
         return mlp_utility_reference(features, w1, b1, w2, b2)
-    if not features.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton GateSight kernel needs CUDA tensors (or TRITON_INTERPRET=1 to run it on CPU)")
     from sglang_kvx.ops.triton_gatesight import mlp_utility_triton
 
     _check_shapes(features, w1, b1, w2, b2)
     return mlp_utility_triton(features, w1, b1, w2, b2)
 
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_shapes(features, w1, b1, w2, b2) -> None:

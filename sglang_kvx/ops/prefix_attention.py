@@ -20,9 +20,9 @@ when asked for), else the torch reference, which is the source of truth.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from sglang_kvx.ops.dispatch import choose
 
 
 def prefix_cells_attention_reference(
@@ -71,12 +71,10 @@ def prefix_cells_attention(
     rows: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
     hidden_from: torch.Tensor, hidden_to: torch.Tensor,
     extra_k: torch.Tensor, extra_v: torch.Tensor, extra_indptr: torch.Tensor,
-    scaling: float, k_scale: float = 1.0, v_scale: float = 1.0, impl: str = "auto",
+    scaling: float, k_scale: float = 1.0, v_scale: float = 1.0, impl: str | None = None,
     extra_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """impl: "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"."""
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    """impl: see ``ops/dispatch.py`` (op ``prefix_attention``; auto: Triton on CUDA, torch elsewhere)."""
     if q.dim() != 3 or k_cache.dim() != 3 or q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"need q [T, Hq, D] and k_cache [P, Hkv, D] with Hkv dividing Hq; got "
                          f"{tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -90,11 +88,8 @@ def prefix_cells_attention(
         raise ValueError(f"extra_counts must be [B, Hkv] = [{rows.numel()}, {kv_heads}], got {tuple(extra_counts.shape)}")
     args = (q, k_cache, v_cache, req_to_token, rows, seq_lens, q_lens, hidden_from, hidden_to,
             extra_k, extra_v, extra_indptr, scaling, k_scale, v_scale, extra_counts)
-    use_triton = impl == "triton" or (impl == "auto" and q.is_cuda and _triton_available())
-    if not use_triton:
+    if choose("prefix_attention", impl, q.device) != "triton":
         return prefix_cells_attention_reference(*args)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton prefix-cells attention needs CUDA tensors (or TRITON_INTERPRET=1 to run it on CPU)")
     from sglang_kvx.ops.triton_prefix_attention import prefix_cells_attention_triton
 
     return prefix_cells_attention_triton(*args)
@@ -103,11 +98,3 @@ def prefix_cells_attention(
 def _per_head(hidden: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """A [B] hidden bound (one range for every head) as [B, Hkv]."""
     return hidden[:, None].expand(-1, kv_heads) if hidden.dim() == 1 else hidden
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -23,19 +23,19 @@ trailing dims are not contiguous, takes the reference.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 
-_IMPLS = ("auto", "torch", "triton", "cupy")
+from sglang_kvx.ops.dispatch import choose
+
 # The kernels copy raw bits: a state is reinterpreted as the integer type of its element size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
-                    slot_dim: int | Sequence[int] = 0, impl: str = "auto") -> list[torch.Tensor]:
-    """impl: "auto" (CuPy, else Triton on CUDA; torch elsewhere), "torch", "triton", "cupy"."""
+                    slot_dim: int | Sequence[int] = 0, impl: str | None = None) -> list[torch.Tensor]:
+    """impl: see ``ops/dispatch.py`` (op ``state_snapshot``; auto: CuPy, else Triton on CUDA; torch elsewhere)."""
     dims = _slot_dims(states, slot_dim)
     indices = _check_slots(slots, states, dims)
     snapshots = []
@@ -54,7 +54,7 @@ def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
 
 
 def restore_states(states: Sequence[torch.Tensor], slots: torch.Tensor, snapshot: Sequence[torch.Tensor],
-                   slot_dim: int | Sequence[int] = 0, impl: str = "auto") -> None:
+                   slot_dim: int | Sequence[int] = 0, impl: str | None = None) -> None:
     """Write ``snapshot`` (from ``snapshot_states`` with the same slots) back into ``states`` in place."""
     dims = _slot_dims(states, slot_dim)
     if len(snapshot) != len(states):
@@ -115,38 +115,14 @@ def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     return view.view(_BITS[t.element_size()]) if t.element_size() in _BITS else None
 
 
-def _backend(impl: str, state: torch.Tensor):
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if impl == "torch" or (impl == "auto" and not state.is_cuda):
-        return None
-    if impl == "cupy" or (impl == "auto" and _cupy_available()):
-        if not (state.is_cuda and _cupy_available()):
-            raise RuntimeError("the CuPy state snapshot needs cupy (the optional 'gpu' extra) and CUDA tensors")
+def _backend(impl: str | None, state: torch.Tensor):
+    chosen = choose("state_snapshot", impl, state.device)
+    if chosen == "cupy":
         from sglang_kvx.ops.cupy_state_snapshot import copy_rows_cupy
 
         return copy_rows_cupy
-    if impl == "auto" and not _triton_available():
-        return None
-    if not state.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton state snapshot needs CUDA tensors (or TRITON_INTERPRET=1 to run it on CPU)")
-    from sglang_kvx.ops.triton_state_snapshot import copy_rows_triton
+    if chosen == "triton":
+        from sglang_kvx.ops.triton_state_snapshot import copy_rows_triton
 
-    return copy_rows_triton
-
-
-def _cupy_available() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # not installed, or installed without a usable CUDA driver
-        return False
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return copy_rows_triton
+    return None

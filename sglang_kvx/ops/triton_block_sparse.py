@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_kvx.ops.block_sparse import BLOCK
+from sglang_kvx.ops.block_layout import BLOCK
 from sglang_kvx.ops.triton_prefix_attention import _attend_block
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_kvx.ops.gated_attention import KINDS, FoldedKeys
+from sglang_kvx.ops.gated_layout import KINDS, FoldedKeys
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from sglang_kvx.ops.triton_prefix_attention import _attend_block
-from sglang_kvx.ops.window_attention import window_key_ranges
+from sglang_kvx.ops.window_ranges import window_key_ranges
 
 
 @triton.jit
