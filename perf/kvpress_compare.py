@@ -39,8 +39,9 @@ server's does.
 Long runs (``--answers DIR``): each side's answers are kept in ``DIR/kvpress.json`` and
 ``DIR/server.json`` with a fingerprint of the job (model, dtype, methods, the prompts' ids,
 max_new_tokens); a run finding a side's file with the same fingerprint reads it instead of running
-that side again. ``--side kvpress`` or ``--side server`` runs one side only and stops (two such runs
-can go side by side; a last run with both files present prints the comparison).
+that side again; while a side runs, each answer is appended to ``DIR/<side>-<job>.partial.jsonl``, so an
+interrupted run resumes where it stopped. ``--side kvpress`` or ``--side server`` runs one side only and
+stops (two such runs can go side by side; a last run with both files present prints the comparison).
 
 Isolation (``--setup``, or the first run): kvpress 0.5.5 pins ``transformers<5.3`` where SGLang 0.5.23
 runs on 5.19, so kvpress lives in its own venv, ``.venv-kvpress`` (git-ignored), and runs as a
@@ -191,8 +192,9 @@ def build_prompts(tasks: list[str], length: int, samples: int, seed: int, tokeni
 
 
 def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple[str, float]], prompts: list[dict],
-                max_new_tokens: int) -> dict:
-    """kvpress's answers[method][prompt] and its versions, from the worker in the kvpress venv."""
+                max_new_tokens: int, progress: Path | None = None) -> dict:
+    """kvpress's answers[method][prompt] and its versions, from the worker in the kvpress venv
+    (``progress``: a JSONL file the worker appends each answer to and resumes from)."""
     jobs = [{"policy": policy, "keep_fraction": p, "press": None if policy == FULL else PRESSES[policy][0],
              "options": {} if policy == FULL else PRESSES[policy][1]} for policy, p in methods]
     with tempfile.TemporaryDirectory(prefix="kvx-kvpress-") as tmp:
@@ -201,20 +203,34 @@ def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple[str, f
             "model": model, "dtype": dtype, "max_new_tokens": max_new_tokens, "jobs": jobs,
             "prompts": [{"context_ids": p["context_ids"], "question_ids": p["question_ids"]} for p in prompts],
         }))
-        subprocess.run([str(python), str(WORKER), str(job_path), str(out_path)], check=True)
+        subprocess.run([str(python), str(WORKER), str(job_path), str(out_path)] + ([str(progress)] if progress else []),
+                       check=True)
         return json.loads(out_path.read_text())
 
 
-def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], max_new_tokens: int) -> list[list[dict]]:
+def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], max_new_tokens: int,
+               progress: Path | None = None) -> list[list[dict]]:
     """The server's answers[method][prompt]: per prompt, per method a parent carrying the policy and p,
-    then the question as its child, as ``sglang_kvx.eval.runner.evaluate`` sends them; then /flush_cache."""
+    then the question as its child, as ``sglang_kvx.eval.runner.evaluate`` sends them; then /flush_cache.
+    ``progress``: a JSONL file each prompt's answers are appended to, and resumed from."""
     from tqdm import tqdm
 
     from sglang_kvx.eval.runner import _generate, _policy_params, _wait_for_second_passes
     from sglang_kvx.serve.launcher import flush_cache
 
-    answers: list[list[dict]] = [[] for _ in methods]
-    for prompt in tqdm(prompts, desc="sglang_kvx", unit="ctx", file=sys.stderr):
+    done: dict[int, list[dict]] = {}
+    if progress is not None and progress.exists():
+        for line in progress.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed while writing it
+                continue
+            done[entry["prompt"]] = entry["answers"]
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if done:
+        print(f"{len(done)} prompts' answers kept in {progress}; {len(todo)} to run", file=sys.stderr)
+    for i in tqdm(todo, desc="sglang_kvx", unit="ctx", file=sys.stderr):
+        prompt, row = prompts[i], []
         for m, (policy, p) in enumerate(methods):
             kvx = {"compact": False} if policy == FULL else {
                 **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": 0}
@@ -236,9 +252,13 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
                     raise SystemExit(f"{prompt['task']} #{prompt['index']} {policy}@{p}: the question was not served "
                                      f"from a compacted context (parent: {kept}; child: {entry})")
                 served["slots"] = entry.get("slots")
-            answers[m].append(served)
+            row.append(served)
         flush_cache(url)
-    return answers
+        done[i] = row
+        if progress is not None:
+            with progress.open("a") as f:
+                f.write(json.dumps({"prompt": i, "answers": row}) + "\n")
+    return [[done[i][m] for i in range(len(prompts))] for m in range(len(methods))]
 
 
 def compare(methods: list[tuple[str, float]], prompts: list[dict], ours: list[list[dict]], theirs: list[list[dict]],
@@ -343,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     kept = Path(args.answers) if args.answers else None
     kvpress_side = _kept(kept, "kvpress", job)
     if kvpress_side is None and args.side != "server":
-        kvpress_side = _keep(kept, "kvpress", job, run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens))
+        kvpress_side = _keep(kept, "kvpress", job, run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens,
+                                                               _progress(kept, "kvpress", job)))
     server_side = _kept(kept, "server", job)
     if server_side is None and args.side != "kvpress":
         # As the runner starts its server: every request names its policy, the server's own is irrelevant.
@@ -356,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 served_info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
             else:
                 served_info = served.summary()
-            answers = run_server(server.url, methods, prompts, args.max_new_tokens)
+            answers = run_server(server.url, methods, prompts, args.max_new_tokens, _progress(kept, "server", job))
         server_side = _keep(kept, "server", job, {"server": served_info, "answers": answers})
     if kvpress_side is None or server_side is None:
         print(f"{args.side} side kept in {kept}; run again without --side to compare", file=sys.stderr)
@@ -387,6 +408,14 @@ def _fingerprint(model: str, dtype: str, methods: list, prompts: list[dict], max
 
     job = [Path(model).name, dtype, methods, [[p["context_ids"], p["question_ids"]] for p in prompts], max_new_tokens]
     return hashlib.sha256(json.dumps(job).encode()).hexdigest()
+
+
+def _progress(folder: Path | None, side: str, job: str) -> Path | None:
+    """Where a side's answers go one by one while it runs (named after the job: never two jobs' answers)."""
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{side}-{job[:16]}.partial.jsonl"
 
 
 def _kept(folder: Path | None, side: str, job: str) -> dict | None:

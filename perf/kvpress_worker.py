@@ -1,6 +1,6 @@
 """The kvpress side of ``perf/kvpress_compare.py``: run by ``.venv-kvpress/bin/python``, never by ``.venv``.
 
-    .venv-kvpress/bin/python perf/kvpress_worker.py JOB.json ANSWERS.json
+    .venv-kvpress/bin/python perf/kvpress_worker.py JOB.json ANSWERS.json [PROGRESS.jsonl]
 
 JOB.json (written by kvpress_compare.py): ``model`` (checkpoint folder), ``dtype``, ``max_new_tokens``,
 ``jobs`` (one per policy and keep fraction: ``policy``, ``press`` (a class name in ``kvpress``),
@@ -23,7 +23,9 @@ refuses eager).
 
 ANSWERS.json: ``versions`` (kvpress, transformers, torch and where torch was imported from) and
 ``answers[job][prompt]`` = {"text", "ids"} (the generated ids, EOS included when reached).
-Progress (tqdm) on stderr.
+Progress (tqdm) on stderr. PROGRESS.jsonl (optional): every answer is appended there as it is made
+(``{"job", "prompt", "text", "ids"}``), and answers already there are not made again, so an
+interrupted run resumes; the caller names the file after the job, so it never mixes two jobs.
 """
 
 from __future__ import annotations
@@ -60,10 +62,20 @@ def _align_causal_mask_per_layer(torch) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
         return 2
-    job_path, out_path = argv
+    job_path, out_path = argv[:2]
+    progress_path = argv[2] if len(argv) == 3 else None
+    done: dict[tuple[int, int], dict] = {}
+    if progress_path and os.path.exists(progress_path):
+        with open(progress_path) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    continue
+                done[entry["job"], entry["prompt"]] = {"text": entry["text"], "ids": entry["ids"]}
     with open(job_path) as f:
         job = json.load(f)
 
@@ -90,8 +102,10 @@ def main(argv: list[str]) -> int:
             pipelines[attention] = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
         return pipelines[attention]
 
-    answers: list[list[dict]] = [[] for _ in job["jobs"]]
-    work = [(j, p) for p in range(len(job["prompts"])) for j in range(len(job["jobs"]))]
+    work = [(j, p) for p in range(len(job["prompts"])) for j in range(len(job["jobs"])) if (j, p) not in done]
+    if done:
+        print(f"{len(done)} answers kept in {progress_path}; {len(work)} to make", file=sys.stderr)
+    progress = open(progress_path, "a") if progress_path else None
     with torch.no_grad():
         for j, p in tqdm(work, desc="kvpress", unit="answer", file=sys.stderr):
             spec, prompt = job["jobs"][j], job["prompts"][p]
@@ -113,7 +127,13 @@ def main(argv: list[str]) -> int:
                 (text,) = pipe._forward(inputs, max_new_tokens=job["max_new_tokens"], press=press)
             finally:
                 tokenizer.decode = decode
-            answers[j].append({"text": text, "ids": ids})
+            done[j, p] = {"text": text, "ids": ids}
+            if progress is not None:
+                progress.write(json.dumps({"job": j, "prompt": p, "text": text, "ids": ids}) + "\n")
+                progress.flush()
+    if progress is not None:
+        progress.close()
+    answers = [[done[j, p] for p in range(len(job["prompts"]))] for j in range(len(job["jobs"]))]
 
     torch_file = torch.__file__
     result = {

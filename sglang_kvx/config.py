@@ -10,31 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, field, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from sglang_kvx.allocate import allocation_tp_problem
 from sglang_kvx.checkpoint import text_config
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
-
-# Each flag: (dest, default, help). Kept as strings on the command line and
-# parsed here, so a bad value gets our one-line error rather than argparse's
-# usage dump of every SGLang flag.
-FLAGS: dict[str, tuple[str, str]] = {
-    "kvx_policy": ("none", "KV policy applied after a context's prefill ('none' = plain SGLang)."),
-    "kvx_keep_fraction": ("1.0", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps."),
-    "kvx_protected_prefix_len": ("0", "Leading tokens of every compacted context kept outside the budget (per request: custom_params.kvx.protected_prefix_len)."),
-    "kvx_estimator": ("", "GateSight estimator folder (default: the one trained for --model-path, in <model>/gatesight or weights/gatesight/)."),
-    "kvx_min_store_fraction": ("0.25", "Share of the KV pool kept for compacted contexts: the most recently used ones within it are never evicted to make room."),
-    "kvx_decode_steps": ("off", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM eviction, span schedules, On-Demand Attention, learned-gate and online H2O / KeyDiff eviction)."),
-    "kvx_decode": ("", "A decode-time step every generating request runs unless it names its own (custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule, sigmoid-gate, h2o, keydiff) or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. Implies --kvx-decode-steps on."),
-    "kvx_auto_context_min_tokens": ("0", "Compact, unasked, the beginning plain requests keep repeating once it is at least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); 0 = off (such prefixes are only logged)."),
-    "kvx_oda_head": ("", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in <model>/oda or weights/oda/<model folder name>)."),
-    "kvx_sparse_attention": ("0", "Block-sparse attention for every request: each query attends to this many tokens (a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a mean-key indexer; 0 = dense attention."),
-    "kvx_policy_modules": ("", "Comma-separated Python modules imported first in every server process: each registers its own policies with @register_policy."),
-}
-
+from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
 
 GATED_MODEL_TYPE = "kvx_gated_gpt"  # the learned-gate family (models/gated.py takes its name from here)
 GATED_ATTENTION_BACKEND = "kvx_gated"  # adapter/gated_backend.py
@@ -44,22 +27,7 @@ class KvxConfigError(ValueError):
     """A ``--kvx-*`` value that cannot be served; the message is one line for the user."""
 
 
-@dataclass(frozen=True)
-class KvxConfig:
-    policy: str = "none"
-    keep_fraction: float = 1.0
-    protected_prefix_len: int = 0
-    estimator: str = ""  # GateSight estimator folder; "" = find the one trained for the model
-    model_path: str = ""
-    policy_modules: str = ""  # comma-separated modules registering further policies (imported in every process)
-    decode_steps: bool = False  # requests may ask for decode-time steps
-    decode: str = ""  # the server's default decode step, as canonical JSON ("" = none)
-    oda_head: str = ""  # the recall head folder for On-Demand Attention ("" = none found)
-    auto_context_min_tokens: int = 0  # compact repeated plain-request beginnings this long (0 = off)
-    min_store_fraction: float = 0.25  # share of the pool reserved for compacted contexts
-    gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (manifest ``tau``)
-    sparse_budget: int = 0  # block-sparse attention: tokens each query attends to (0 = dense)
-
+class _ConfigMethods:
     @property
     def enabled(self) -> bool:
         """Whether the extension acts in this server (else SGLang runs exactly as without it)."""
@@ -69,29 +37,36 @@ class KvxConfig:
         return asdict(self)
 
 
+def _flag_value(setting: Setting, raw: Any) -> Any:
+    try:
+        return setting.from_flag(raw)
+    except ValueError as exc:
+        raise KvxConfigError(str(exc)) from None
+
+
+# The server config: one field per flag of the schema (its parsed default), then what launch derives.
+KvxConfig = make_dataclass(
+    "KvxConfig",
+    [(s.config_attr, Any, field(default=s.from_flag(s.default))) for s in FLAG_SETTINGS] + [
+        ("model_path", str, field(default="")),
+        ("gate_tau", "float | None", field(default=None)),  # a gated checkpoint's frozen threshold (manifest ``tau``)
+    ],
+    bases=(_ConfigMethods,), frozen=True, namespace={"__module__": __name__, "__doc__":
+        "A server's validated ``--kvx-*`` flags (``schema.SETTINGS``), the model path and its gate threshold."},
+)
+
+
 def flag_choices() -> list[str]:
     """What ``--kvx-policy`` accepts: ``none`` and every served policy of the registry."""
     return sorted({"none", *servable_policy_names()})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    # Kept as strings on the command line and parsed here, so a bad value gets our one-line error
+    # rather than argparse's usage dump of every SGLang flag.
     group = parser.add_argument_group("sglang_kvx (KV compaction)")
-    for dest, (default, help_text) in FLAGS.items():
-        group.add_argument("--" + dest.replace("_", "-"), dest=dest, type=str, default=default, help=help_text)
-
-
-def parse_keep_fraction(raw: str | float) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise KvxConfigError(f"--kvx-keep-fraction must be a number in (0, 1], got {raw!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise KvxConfigError(f"--kvx-keep-fraction must be in (0, 1], got {value:g}")
-    return value
-
-
-def parse_protected_prefix_len(raw: str | int) -> int:
-    return parse_count(raw, "--kvx-protected-prefix-len")
+    for setting in FLAG_SETTINGS:
+        group.add_argument(setting.flag, dest=setting.dest, type=str, default=setting.default, help=setting.help)
 
 
 def layer_kinds(cfg: dict[str, Any]) -> list[str]:
@@ -142,71 +117,16 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     return traits_of_config(json.loads(config_file.read_text()))
 
 
-def parse_store_fraction(raw: str | float) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise KvxConfigError(f"--kvx-min-store-fraction must be a number in [0, 1), got {raw!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise KvxConfigError(f"--kvx-min-store-fraction must be in [0, 1), got {value:g}")
-    return value
-
-
-def parse_count(raw: str | int, flag: str) -> int:
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise KvxConfigError(f"{flag} must be a whole number >= 0, got {raw!r}") from None
-    if value < 0:
-        raise KvxConfigError(f"{flag} must be a whole number >= 0, got {value}")
-    return value
-
-
-def parse_sparse_budget(raw: str | int) -> int:
-    from sglang_kvx.ops.block_sparse import BLOCK
-
-    budget = parse_count(raw, "--kvx-sparse-attention")
-    if budget and (budget % BLOCK or budget < 2 * BLOCK):
-        raise KvxConfigError(f"--kvx-sparse-attention must be 0 or a multiple of {BLOCK} of at least {2 * BLOCK} "
-                             f"(the first block and a query's own), got {budget}")
-    return budget
-
-
-def parse_on_off(raw: str | bool, flag: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    if raw not in ("on", "off"):
-        raise KvxConfigError(f"{flag} must be 'on' or 'off', got {raw!r}")
-    return raw == "on"
-
-
-def parse_decode_flag(raw: str) -> str:
-    """``--kvx-decode``: a step name or a JSON object of a step and its options -> canonical JSON."""
-    from sglang_kvx.decode import parse_decode_settings
-
-    raw = (raw or "").strip()
-    if not raw:
-        return ""
-    if raw.startswith("{"):
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise KvxConfigError(f"--kvx-decode is not valid JSON ({exc.msg})") from None
-    else:
-        value = {"step": raw}
-    try:
-        settings = parse_decode_settings(value, field="--kvx-decode")
-    except ValueError as exc:
-        raise KvxConfigError(str(exc)) from None
-    return json.dumps({"step": settings.step, **dict(settings.options)}, sort_keys=True)
-
-
 def find_recall_head(model_path: str, explicit: str = "") -> str:
     """The recall head folder to serve: ``explicit``, else ``<model>/oda``, else
     ``weights/oda/<model folder name>`` beside this package ("" when none exists)."""
     if explicit:
-        if not (Path(explicit) / "manifest.json").exists():
-            raise KvxConfigError(f"--kvx-oda-head {explicit}: no manifest.json there")
+        try:
+            found = (Path(explicit) / "manifest.json").is_file()
+        except OSError as exc:  # a name the file system refuses (too long)
+            raise KvxConfigError(f"--kvx-oda-head {_short(explicit)}: {exc.strerror}") from None
+        if not found:
+            raise KvxConfigError(f"--kvx-oda-head {_short(explicit)}: no manifest.json there")
         return explicit
     if not model_path:
         return ""
@@ -224,32 +144,27 @@ def import_policy_modules(modules: str) -> None:
     for name in filter(None, (m.strip() for m in modules.split(","))):
         try:
             importlib.import_module(name)
-        except ImportError as exc:
-            raise KvxConfigError(f"--kvx-policy-modules: cannot import {name!r} ({exc})") from None
+        except Exception as exc:  # a missing module, a relative name ("..x"), or the module's own failure
+            reason = (str(exc).splitlines() or [""])[0]
+            reason = reason if len(reason) <= 160 else reason[:160] + "..."
+            raise KvxConfigError(f"--kvx-policy-modules: cannot import {_short(name)} ({type(exc).__name__}: {reason})") from None
 
 
-def build_config(
-    policy: str = "none",
-    keep_fraction: str | float = 1.0,
-    model_path: str | None = None,
-    protected_prefix_len: str | int = 0,
-    estimator: str = "",
-    tp_size: int = 1,
-    policy_modules: str = "",
-    decode_steps: str | bool = "off",
-    min_store_fraction: str | float = 0.25,
-    decode: str = "",
-    oda_head: str = "",
-    auto_context_min_tokens: str | int = 0,
-    attention_backend: str | None = None,
-    sparse_attention: str | int = 0,
-    page_size: int = 1,
-) -> KvxConfig:
-    """Validate raw flag values (and the model, when its config is local) into a KvxConfig."""
-    import_policy_modules(policy_modules)
+def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model_path: str | None = None, *,
+                 tp_size: int = 1, page_size: int = 1, attention_backend: str | None = None, **flags: Any) -> KvxConfig:
+    """Validate raw flag values (the others of ``schema.FLAG_SETTINGS`` by name, as strings or values) and
+    the server's facts (the model, when its config is local) into a KvxConfig."""
+    by_name = {s.name: s for s in FLAG_SETTINGS}
+    unknown = sorted(set(flags) - set(by_name))
+    if unknown:
+        raise TypeError(f"build_config: unknown flag settings {', '.join(unknown)} (known: {', '.join(by_name)})")
+    raw = {"policy": policy, "keep_fraction": keep_fraction, **flags}
+    value = {s.name: (lambda s=s: _flag_value(s, raw.get(s.name, s.default))) for s in FLAG_SETTINGS}
+    import_policy_modules(value["policy_modules"]())
+    policy = value["policy"]()
     choices = ", ".join(flag_choices())
     if policy not in policy_names():
-        raise KvxConfigError(f"unknown --kvx-policy {policy!r}; valid choices: {choices}")
+        raise KvxConfigError(f"unknown --kvx-policy {_short(policy)}; valid choices: {choices}")
     policy_cls = get_policy(policy)
     if policy not in flag_choices():
         raise KvxConfigError(f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {choices}")
@@ -258,20 +173,17 @@ def build_config(
     if tp_size > 1 and policy_cls.compacts and (problem := allocation_tp_problem(policy_cls.allocation)):
         raise KvxConfigError(f"kvx policy {policy!r}: its allocation {policy_cls.allocation!r} is not supported with "
                              f"--tp-size {tp_size} yet: {problem}")
-    config = KvxConfig(
-        policy=policy,
-        keep_fraction=parse_keep_fraction(keep_fraction),
-        protected_prefix_len=parse_protected_prefix_len(protected_prefix_len),
-        estimator=str(estimator or ""),
-        model_path=str(model_path or ""),
-        policy_modules=str(policy_modules or ""),
-        decode_steps=parse_on_off(decode_steps, "--kvx-decode-steps") or bool(parse_decode_flag(decode)),
-        min_store_fraction=parse_store_fraction(min_store_fraction),
-        decode=parse_decode_flag(decode),
-        oda_head=find_recall_head(str(model_path or ""), str(oda_head or "")),
-        auto_context_min_tokens=parse_count(auto_context_min_tokens, "--kvx-auto-context-min-tokens"),
-        sparse_budget=parse_sparse_budget(sparse_attention),
-    )
+    values = {by_name[name].config_attr: parse() for name, parse in value.items()}
+    values["decode_steps"] = values["decode_steps"] or bool(values["decode"])
+    if not (policy_cls.compacts or values["decode_steps"] or values["sparse_budget"]):
+        # Nothing of the extension runs on such a server: a setting for it would silently do nothing.
+        idle = [s.flag for s in FLAG_SETTINGS if s.name not in ("policy", "policy_modules", "decode_steps")
+                and values[s.config_attr] != s.from_flag(s.default)]
+        if idle:
+            raise KvxConfigError(f"{idle[0]} has no effect: the server runs no --kvx-policy, decode-time steps or "
+                                 f"block-sparse attention (add one, or drop {idle[0]})")
+    values["oda_head"] = find_recall_head(str(model_path or ""), values["oda_head"])
+    config = KvxConfig(**values, model_path=str(model_path or ""))
     if config.sparse_budget and config.decode_steps:
         raise KvxConfigError("--kvx-sparse-attention cannot be combined with decode-time steps yet")
     if page_size > 1:

@@ -1,7 +1,8 @@
 """A request's compaction settings: ``custom_params["kvx"]`` checked field by field, parsed once.
 
 Two steps, both pure (no SGLang):
-  ``parse_request_fields(raw)``  strict types and bounds for what a client sent (run at the door,
+  ``parse_request_fields(raw)``  strict types and bounds for what a client sent, each field as the
+                                 schema declares it (``schema.FIELD_SETTINGS``; run at the door,
                                  in the HTTP process, and again when the scheduler admits the request);
   ``resolve_settings(fields, ...)``  the fields over the server's flags -> one frozen
                                  ``CompactionSettings``, checked against the policy and allocation
@@ -13,21 +14,17 @@ a large value back.
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from sglang_kvx.allocate import allocation_reads_scores, allocation_names, allocation_needs, allocation_tp_problem
-from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, parse_decode_settings
+from sglang_kvx.decode import DECODE_STEPS, DecodeSettings
 from sglang_kvx.policies import get_policy, servable_policy_names
+from sglang_kvx.schema import FIELD_PREFIX, FIELD_SETTINGS, MAX_NAME_LENGTH, _short
 
-FIELD_PREFIX = "custom_params.kvx"
 # Set at the door on generating requests with n > 1: SGLang first sends their prompt as a prefill-only
 # warm-up copy (same custom_params), which must not be taken for a context to compact.
 GENERATING_MARK = "kvx_from_generating_request"
-MAX_NAME_LENGTH = 64
-TENANT_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 
 class SettingsError(ValueError):
@@ -44,106 +41,35 @@ class CompactionSettings:
     allocation: str
 
 
-@dataclass(frozen=True)
-class RequestFields:
-    """What a client sent in ``custom_params.kvx``, type-checked; None = not sent (the flag applies)."""
-
-    policy: str | None = None
-    keep_fraction: float | None = None
-    protected_prefix_len: int | None = None
-    allocation: str | None = None
-    compact: bool | None = None
-    decode: DecodeSettings | None = None  # a decode-time step for this request (sglang_kvx.decode)
-    tenant: str | None = None  # whose contexts these are: each tenant's share of the store's reserve is its own
-
+class _FieldsMethods:
     @property
     def wants_full_cache(self) -> bool:
         return self.compact is False
 
 
+# What a client sent in ``custom_params.kvx``, type-checked: one field per request field of the schema
+# (``schema.FIELD_SETTINGS``); None = not sent (the server's flag applies).
+RequestFields = make_dataclass(
+    "RequestFields", [(s.name, Any, field(default=None)) for s in FIELD_SETTINGS], bases=(_FieldsMethods,),
+    frozen=True, namespace={"__module__": __name__,
+                            "__doc__": "What a client sent in ``custom_params.kvx``, type-checked; None = not sent."},
+)
 NO_FIELDS = RequestFields()
 
 
-def _short(value: Any) -> str:
-    """A value for an error message: its type for containers and long strings, never the value."""
-    if isinstance(value, (dict, list, tuple)):
-        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 32 else f"a string of {len(value)} characters"
-    if value is None or isinstance(value, bool):
-        return "null" if value is None else str(value).lower()
-    text = repr(value)
-    return text if len(text) <= 32 else f"a number of {len(text)} digits"
-
-
-def _name(raw: dict, field: str, choices: list[str]) -> str | None:
-    value = raw.get(field)
-    if value is None:
-        return None
-    if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or value not in choices:
-        raise SettingsError(
-            f"{FIELD_PREFIX}.{field} must be a string naming one of the valid choices: {', '.join(choices)}; "
-            f"got {_short(value)}"
-        )
-    return value
-
-
-def _number(raw: dict, field: str) -> float | None:
-    value = raw.get(field)
-    if value is None:
-        return None
-    # bool is an int in Python and "0.5" is not a number: both are refused, not coerced.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
-        raise SettingsError(f"{FIELD_PREFIX}.{field} must be a number in (0, 1]; got {_short(value)}")
-    return float(value)
-
-
-def _count(raw: dict, field: str, limit: int) -> int | None:
-    value = raw.get(field)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-        raise SettingsError(f"{FIELD_PREFIX}.{field} must be a whole number in [0, {limit}]; got {_short(value)}")
-    return value
-
-
-def parse_request_fields(raw: Any, *, max_tokens: int = 1 << 31) -> RequestFields:
+def parse_request_fields(raw: Any) -> RequestFields:
     """Strictly type-check a request's ``custom_params["kvx"]`` (None or absent: nothing sent)."""
     if raw is None:
         return NO_FIELDS
     if not isinstance(raw, dict):
         raise SettingsError(f"{FIELD_PREFIX} must be a JSON object; got {_short(raw)}")
-    known = {"policy", "keep_fraction", "protected_prefix_len", "allocation", "compact", "decode", "tenant"}
+    known = {s.name for s in FIELD_SETTINGS}
     unknown = [key for key in raw if key not in known]
     if unknown:
         name = unknown[0] if isinstance(unknown[0], str) and len(unknown[0]) <= MAX_NAME_LENGTH else "a long key"
         raise SettingsError(f"{FIELD_PREFIX} has an unknown field {name!r}; valid fields: {', '.join(sorted(known))}")
-    compact = raw.get("compact")
-    if compact is not None and not isinstance(compact, bool):
-        raise SettingsError(f"{FIELD_PREFIX}.compact must be true or false; got {_short(compact)}")
-    return RequestFields(
-        policy=_name(raw, "policy", servable_policy_names()),
-        keep_fraction=_number(raw, "keep_fraction"),
-        protected_prefix_len=_count(raw, "protected_prefix_len", max_tokens),
-        allocation=_name(raw, "allocation", allocation_names()),
-        compact=compact,
-        decode=_decode(raw.get("decode")),
-        tenant=_tenant(raw.get("tenant")),
-    )
-
-
-def _tenant(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or TENANT_PATTERN.fullmatch(value) is None:
-        raise SettingsError(f"{FIELD_PREFIX}.tenant must be a string of 1 to 64 letters, digits or ._:@-; "
-                            f"got {_short(value)}")
-    return value
-
-
-def _decode(raw: Any) -> DecodeSettings | None:
     try:
-        return parse_decode_settings(raw, field=f"{FIELD_PREFIX}.decode")
+        return RequestFields(**{s.name: s.from_field(raw.get(s.name)) for s in FIELD_SETTINGS})
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
 

@@ -131,3 +131,43 @@ def test_a_gate_step_without_a_frozen_threshold_is_refused(launch_parser, tmp_pa
     assert our_error_lines(result.stderr) == [
         "sglang-kvx: error: --kvx-decode sigmoid-gate needs a threshold: the checkpoint's manifest.json has no tau; "
         "pass --kvx-decode '{\"step\": \"sigmoid-gate\", \"tau\": 0.05}'"]
+
+
+# Hostile values for every flag of the schema: empty, negative, huge, not a number, not finite,
+# broken JSON, a relative module name, whitespace, a long string.
+HOSTILE_VALUES = ("", "-1", "abc", "1e309", "nan", "99999999999999999999999", "{", "..x", " ", "x" * 5000)
+
+
+def test_every_flag_takes_hostile_values_with_one_line_or_starts(launch_parser, demo_paths):
+    """Generated from ``schema.FLAG_SETTINGS``: each flag with each hostile value is either accepted
+    (the launch would go on) or refused with exit 2 and one ``sglang-kvx: error:`` line; never a
+    traceback, never a value echoed back at length."""
+    from sglang_kvx.schema import FLAG_SETTINGS
+
+    outcomes = {}
+    for setting in FLAG_SETTINGS:
+        for value in HOSTILE_VALUES:
+            result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024",
+                                         setting.flag, value)
+            lines = our_error_lines(result.stderr)
+            where = f"{setting.flag} {value[:20]!r}: exit {result.returncode}: {result.stderr[-600:]}"
+            assert "Traceback" not in result.stderr, where
+            assert result.returncode in (0, 2), where
+            if result.returncode == 2:
+                assert len(lines) == 1 and len(lines[0]) < 400, where
+            outcomes[setting.flag, value] = result.returncode
+    # What must be refused is refused (not merely not crashing).
+    for flag in ("--kvx-keep-fraction", "--kvx-min-store-fraction", "--kvx-protected-prefix-len",
+                 "--kvx-sparse-attention", "--kvx-auto-context-min-tokens", "--kvx-decode-steps"):
+        for value in ("-1", "abc", "1e309", "nan", "99999999999999999999999"):
+            assert outcomes[flag, value] == 2, (flag, value)
+    assert outcomes["--kvx-policy-modules", "..x"] == 2
+    assert outcomes["--kvx-decode", "{"] == 2
+
+
+def test_the_engine_takes_every_flag_as_a_keyword():
+    """``Engine``'s keywords are the schema's flags: an unknown ``kvx_`` keyword is refused by name."""
+    from sglang_kvx.adapter.engine import Engine
+
+    with pytest.raises(TypeError, match="unknown keyword 'kvx_keep_fractoin'"):
+        Engine(model_path="unused", kvx_keep_fractoin=0.5)

@@ -24,7 +24,18 @@ def test_keep_fraction_outside_unit_interval_is_refused(raw):
 
 @pytest.mark.parametrize("raw,value", [("1", 1.0), ("0.1", 0.1), ("1e-3", 0.001)])
 def test_keep_fraction_accepts_the_unit_interval(raw, value):
-    assert build_config("none", raw).keep_fraction == value
+    assert build_config("knorm", raw).keep_fraction == value
+
+
+@pytest.mark.parametrize("flags", [{"keep_fraction": "0.3"}, {"protected_prefix_len": "8"}, {"min_store_fraction": "0.5"},
+                                   {"auto_context_min_tokens": "64"}, {"estimator": "/tmp"}])
+def test_a_flag_for_an_idle_extension_is_refused(flags):
+    """Without a policy, decode steps or sparse attention nothing of the extension runs: a setting
+    for it would silently do nothing, so the launcher says so."""
+    (name, raw), = flags.items()
+    with pytest.raises(KvxConfigError, match=f"--kvx-{name.replace('_', '-')} has no effect"):
+        build_config("none", **flags)
+    build_config("none", decode_steps="on", **flags)  # with decode steps on, a request's policy reads them
 
 
 def test_unknown_policy_names_the_valid_choices():

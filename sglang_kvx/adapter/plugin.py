@@ -32,6 +32,7 @@ from typing import Any
 
 from sglang_kvx.adapter.server_config import attach_config, config_of, on_cpu_platform
 from sglang_kvx.config import KvxConfigError, add_cli_args, build_config
+from sglang_kvx.schema import FLAG_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -72,21 +73,9 @@ def _around_from_cli_args(original, cls, args, *rest, **kwargs):
     server_args = original(cls, args, *rest, **kwargs)
     try:
         config = build_config(
-            policy=getattr(args, "kvx_policy", "none"),
-            keep_fraction=getattr(args, "kvx_keep_fraction", "1.0"),
-            model_path=getattr(args, "model_path", None),
-            protected_prefix_len=getattr(args, "kvx_protected_prefix_len", "0"),
-            estimator=getattr(args, "kvx_estimator", ""),
-            tp_size=int(server_args.tp_size or 1),
-            page_size=int(server_args.page_size or 1),
-            policy_modules=getattr(args, "kvx_policy_modules", ""),
-            decode_steps=getattr(args, "kvx_decode_steps", "off"),
-            min_store_fraction=getattr(args, "kvx_min_store_fraction", "0.25"),
-            decode=getattr(args, "kvx_decode", ""),
-            oda_head=getattr(args, "kvx_oda_head", ""),
-            auto_context_min_tokens=getattr(args, "kvx_auto_context_min_tokens", "0"),
-            attention_backend=getattr(args, "attention_backend", None),
-            sparse_attention=getattr(args, "kvx_sparse_attention", "0"),
+            model_path=getattr(args, "model_path", None), tp_size=int(server_args.tp_size or 1),
+            page_size=int(server_args.page_size or 1), attention_backend=getattr(args, "attention_backend", None),
+            **{setting.name: getattr(args, setting.dest, setting.default) for setting in FLAG_SETTINGS},
         )
     except KvxConfigError as exc:
         # One line, argparse-style, before anything heavy starts.
