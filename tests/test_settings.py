@@ -156,7 +156,7 @@ def test_the_new_flags_are_validated_before_anything_loads():
     for bad in ("1", "-0.1", "half"):
         with pytest.raises(KvxConfigError, match="--kvx-min-store-fraction must be"):
             build_config("none", min_store_fraction=bad)
-    assert build_config("none", min_store_fraction="0.5").min_store_fraction == 0.5
+    assert build_config("knorm", min_store_fraction="0.5").min_store_fraction == 0.5
     assert build_config("none", decode_steps="on").enabled  # decode steps alone switch the extension on
     assert not build_config("none").enabled
 
