@@ -99,6 +99,7 @@ class ServerDefaults:
     gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)
     page_size: int = 1  # SGLang's --page-size
     sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
+    decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
 
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
@@ -117,6 +118,9 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
     if server.page_size > 1:  # the launcher refuses --kvx-decode with pages for the same reason
         raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps are not supported with --page-size "
                             f"{server.page_size} yet (they free and hold slots one at a time); serve with --page-size 1")
+    if own is not None and not server.decode_steps and default is None:
+        raise SettingsError(f"{FIELD_PREFIX}.decode: this server runs without decode-time steps; launch it with "
+                            f"--kvx-decode-steps on (or --kvx-decode STEP)")
     step = DECODE_STEPS[settings.step]
     missing = sorted(step.needs - server.model_signals)
     if missing:

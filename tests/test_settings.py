@@ -202,6 +202,12 @@ def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
     sparse = ServerDefaults("none", 1.0, 0, DENSE.model_signals, sparse_budget=32)
     with pytest.raises(SettingsError, match=r"custom_params.kvx.decode: .*--kvx-sparse-attention"):
         resolve_decode(parse_request_fields({"decode": {"step": "span_schedule"}}), sparse)
+    # Without --kvx-decode-steps on (or a --kvx-decode step) a request's own step is refused, as the README says.
+    off = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals)
+    with pytest.raises(SettingsError, match=r"custom_params.kvx.decode: this server runs without decode-time steps"):
+        resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), off)
+    on = ServerDefaults("knorm", 0.5, 0, DENSE.model_signals, decode_steps=True)
+    assert resolve_decode(parse_request_fields({"decode": {"step": "streamingllm"}}), on).step == "streamingllm"
     # Chance routing at a rate: repeatable, about the rate over many steps.
     chance = parse_decode_settings({"step": "random_route", "rate": 0.25, "seed": 3}).build()
     picks = [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]

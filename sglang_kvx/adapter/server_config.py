@@ -34,7 +34,7 @@ def config_of(server_args) -> KvxConfig:
         from sglang_kvx.config import import_policy_modules
 
         import_policy_modules(config.policy_modules)  # their policies, registered in this process too
-    object.__setattr__(server_args, BUILT_ATTR, (os.getpid(), config))
+    setattr(server_args, BUILT_ATTR, (os.getpid(), config))
     return config
 
 
