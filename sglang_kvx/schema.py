@@ -242,6 +242,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_store_fraction", "Share of the KV pool kept for compacted contexts: the most recently used ones "
             "within it are never evicted to make room.",
             "0.25", lambda raw: flag_fraction(raw, "--kvx-min-store-fraction", low_open=False)),
+    Setting("reserved_tenants", "Tenants (custom_params.kvx.tenant) with a share of that reserve of their own, "
+            "first come first served (a tenant keeps its seat while it holds a context); every other tenant shares "
+            "one more share with untagged requests, so inventing tenant names cannot dilute a seated tenant's share.",
+            "8", lambda raw: flag_count(raw, "--kvx-reserved-tenants", limit=4096)),
     Setting("decode_steps", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM "
             "eviction, span schedules, On-Demand Attention, learned-gate and online H2O / KeyDiff eviction).",
             "off", lambda raw: flag_on_off(raw, "--kvx-decode-steps")),

@@ -94,6 +94,7 @@ class ServerDefaults:
     tp_size: int = 1
     per_layer_lengths: bool = True  # False on MLA backends: flat budgets only
     min_store_fraction: float = 0.25  # share of the pool no request can evict compacted contexts from
+    reserved_tenants: int = 8  # tenants with a share of that reserve of their own (the rest share one)
     growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
     decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
     gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)

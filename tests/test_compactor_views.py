@@ -110,16 +110,16 @@ def test_admission_evicts_the_least_recently_used_idle_context_for_room():
     assert list(store.contexts.values()) == [contexts[0]]
 
 
-def _store_with(pool, store, sizes, tenants=None):
+def _store_with(pool, store, sizes, tenants=None, first: int = 0):
     from sglang_kvx.compact.layout import fold_layers
     from sglang_kvx.store import CompactedContext
 
     contexts = []
-    for i, size in enumerate(sizes):
+    for i, size in enumerate(sizes, start=first):
         context = CompactedContext(context_ids=(i,) * (size + 1), settings=CompactionSettings("knorm", 0.5, 0, "flat"),
                                    slots=pool.alloc(size), kept_per_layer=[size] * 3, layout=fold_layers([size] * 3))
         context.last_used = float(i)
-        context.tenant = tenants[i] if tenants else None
+        context.tenant = tenants[i - first] if tenants else None
         store.add(context)
         contexts.append(context)
     return contexts
@@ -198,3 +198,29 @@ def test_a_share_a_tenant_leaves_unused_goes_to_the_others():
     _store_with(pool, store, [2, 5, 5, 5, 5], tenants=["b", "a", "a", "a", "a"])
     # b holds 2 of its 10: a may keep 18 -> its three most recent contexts (15 slots).
     assert admission.reserved_slots() == 17
+
+
+def test_inventing_tenant_names_cannot_dilute_a_seated_tenants_share():
+    """The victim stores its context; then a client sends parents under 100 invented tenant names.
+    Seats go first come first served (``--kvx-reserved-tenants``): the names past the seats share one
+    share, so the victim's share stays a fixed fraction of the reserve and its context is never evicted
+    by the others' parents (with one share per name it would fall to a hundredth)."""
+    pool = TensorPool(slots=1201)  # 1200 usable slots; 0.5 x 1201 = 600 reserved
+    store = ContextStore()
+    defaults = ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5, reserved_tenants=3)
+    admission = Admission(pool, store, defaults, num_rows=4)
+    (victim,) = _store_with(pool, store, [100], tenants=["victim"])
+    for i in range(100):  # each invented tenant's parent, made room for like any request
+        assert admission.make_room(10, tenant=f"t{i}") is None
+        (context,) = _store_with(pool, store, [10], tenants=[f"t{i}"], first=1000 + i)
+        context.last_used = 1000.0 + i  # every one more recent than the victim's
+    assert victim in store.contexts.values()
+    # Four seats hold contexts (three tenants, and the shared one): a quarter of 600 each, the victim's 100 within it.
+    assert id(victim) in admission._reserved(None)
+    assert admission.tenant_reserve.seated == ["victim", "t0", "t1"]  # seated in the order their contexts came
+    for i in range(100, 200):  # the pool fills: the invented tenants' parents now evict, never the victim's
+        assert admission.make_room(50, tenant=f"t{i}") is None
+        _store_with(pool, store, [50], tenants=[f"t{i}"], first=2000 + i)[0].last_used = 2000.0 + i
+    assert victim in store.contexts.values() and admission.evicted > 0
+    admission.make_room(1100)  # an untagged request asking for nearly the whole pool: never the victim's context
+    assert victim in store.contexts.values()

@@ -21,6 +21,7 @@ from sglang_kvx.decode import DecodeSettings
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
 from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
+from sglang_kvx.serve.tenant_reserve import TenantReserve
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Admission:
         self.store = store
         self.defaults = defaults
         self.evicted = 0
+        self.tenant_reserve = TenantReserve(defaults.reserved_tenants)  # whose contexts the store's reserve keeps
         self.row_context: dict[int, CompactedContext] = {}  # request row -> the compacted prefix it reads
         # True-position offset of each request row's tokens (n - S for a child, else 0).
         self.position_offset = torch.zeros(num_rows, dtype=torch.int64, device=pool.device)
@@ -237,32 +239,11 @@ class Admission:
         return sum(c.num_slots for c in self.store.contexts.values() if id(c) in reserved)
 
     def _reserved(self, keep: CompactedContext | None) -> set[int]:
-        """Per tenant, its most recently used contexts within its share of the store's reserve: the
-        reserve split evenly over the tenants holding contexts, a share a tenant leaves unused
-        split again over the others (so one tenant's parents cannot push another's out of it)."""
-        by_tenant: dict[str | None, list[CompactedContext]] = {}
-        for context in sorted(self.store.contexts.values(), key=lambda c: c.last_used, reverse=True):
-            if context is not keep:
-                by_tenant.setdefault(context.tenant, []).append(context)
-        budget = int(self.defaults.min_store_fraction * self.pool.total)
-        reserved: set[int] = set()
-        while by_tenant:
-            share = budget // len(by_tenant)
-            whole = [t for t, contexts in by_tenant.items() if sum(c.num_slots for c in contexts) <= share]
-            if not whole:
-                break
-            for t in whole:
-                contexts = by_tenant.pop(t)
-                budget -= sum(c.num_slots for c in contexts)
-                reserved.update(id(c) for c in contexts)
-        for contexts in by_tenant.values():  # each of the rest: its most recent contexts that fit its share
-            left = budget // len(by_tenant)
-            for context in contexts:
-                if context.num_slots > left:
-                    break
-                left -= context.num_slots
-                reserved.add(id(context))
-        return reserved
+        """ids of the contexts within their tenant's share of the store's reserve (``serve/tenant_reserve.py``)."""
+        contexts = list(self.store.contexts.values())
+        self.tenant_reserve.update(contexts)
+        return self.tenant_reserve.reserved([c for c in contexts if c is not keep],
+                                            int(self.defaults.min_store_fraction * self.pool.total))
 
     def _check_parent(self, request: Request, state: RequestState) -> None:
         if state.checked:
