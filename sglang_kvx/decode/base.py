@@ -14,6 +14,9 @@ sinks and a window). A step is one short class registered by name, like a policy
   dropped(seq_len)          after the step, per attention layer, the interval [start, end) of
                             positions that layer never reads again: masked at once, and their
                             slots freed once no layer keeps them
+  row_state, totals        its per-row state (gates, per-head budgets, hidden states, folds), its
+                            counters and report, and the server-wide figures it adds to
+                            (``decode/row_state.py``)
   live_tokens(prompt_len)   the most entries a request ever holds (None: unbounded): a bounded
                             request may generate past the pool's size
   gate_threshold()          learned-gate eviction: keys whose gate is below it are deleted (0: none)
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
+
+from sglang_kvx.decode.row_state import RowState
 
 MAX_OPTION = 1 << 24
 MAX_REAL_OPTION = 1e6
@@ -73,7 +78,14 @@ class DecodeStep:
     evicts_per_head: ClassVar[bool] = False  # keeps ``budget`` entries per layer and KV head (first_keep / victim)
     reads_attention: ClassVar[bool] = False  # ... scored by the attention its queries paid each entry
     model_hint: ClassVar[str] = ""  # what to serve when a model lacks what it ``needs``
+    row_state: ClassVar[type[RowState]] = RowState  # its per-row state, counters and report (decode/row_state.py)
     budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step
+
+    @classmethod
+    def totals(cls, num_layers: int) -> dict[str, Any]:
+        """The server-wide figures its row states add to (``/kvx/stats``), at zero: numbers are also
+        counts (``/metrics``), lists are per-layer figures."""
+        return {}
 
     def first_keep(self, keys: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
         """Per-head eviction, after the prefill: which of its T entries each head keeps, [H, T] bool

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from sglang_kvx.decode.base import DecodeStep, register_decode_step
+from sglang_kvx.decode.head_keep import HeadRow
 
 
 @register_decode_step("h2o")
@@ -28,6 +29,8 @@ class H2ODecode(DecodeStep):
     needs: ClassVar[frozenset[str]] = frozenset({"decode_attention_weights"})
     model_hint = "a dense cell of the learned-gate family: weights/gated/*-none"
     evicts_per_head = True
+    row_state = HeadRow
+    totals = staticmethod(HeadRow.totals)
     reads_attention = True
 
     def __init__(self, *, budget: int = 256) -> None:

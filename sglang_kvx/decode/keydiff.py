@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_kvx.decode.base import DecodeStep, register_decode_step
+from sglang_kvx.decode.head_keep import HeadRow
 
 
 @register_decode_step("keydiff")
@@ -29,6 +30,8 @@ class KeyDiffDecode(DecodeStep):
     needs: ClassVar[frozenset[str]] = frozenset({"decode_attention_weights"})
     model_hint = "a dense cell of the learned-gate family: weights/gated/*-none"
     evicts_per_head = True
+    row_state = HeadRow
+    totals = staticmethod(HeadRow.totals)
 
     def __init__(self, *, budget: int = 256) -> None:
         if budget < 1:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-from sglang_kvx.compact.gate_fold import FoldedRow, fold_row
-from sglang_kvx.decode import DecodeSettings, DecodeStep, Span
+from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, DecodeStep, Span
+from sglang_kvx.decode.head_keep import KeysOf
+from sglang_kvx.decode.row_state import RowFacts, RowState
 from sglang_kvx.ports import KVPool, Request
-from sglang_kvx.serve.head_eviction import HeadKeep, KeysOf
 from sglang_kvx.store import CompactedContext, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -41,26 +41,24 @@ def _union(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 
 @dataclass
 class DecodeRow:
+    """The runner's part of a running request's decode step: the step, its span this step, what each
+    layer dropped; the step's own state (``own``: its ``row_state``) holds everything else."""
+
     step: DecodeStep
-    request: Request  # read live: SGLang moves its owned start when it caches the prompt
+    own: RowState
     num_layers: int
     steps: int = 0  # decode steps started
     span: Span = field(default_factory=Span)
     dropped: list[tuple[int, int]] = field(default_factory=list)  # per layer, positions gone for good
     freed: tuple[int, int] = (0, 0)  # positions whose slots went back to the pool
     failed: bool = False  # its step raised: the request is aborted, nothing of the step runs again
-    prev_hidden: torch.Tensor | None = None  # the last committed final hidden state (steps reading hidden)
-    full_steps: int = 0  # steps re-run with full attention
-    gate_deleted: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (prefill, decode, live)
-    fold: FoldedRow | None = None  # learned-gate eviction: the row's re-folded stretch
-    kv_len: int = 0  # keys its last decode step read (learned-gate eviction's counts)
-    counted_len: int = -1  # the kv_len its gate_deleted counts are for
-    heads: HeadKeep | None = None  # per-head eviction (online H2O, KeyDiff): what each head keeps
 
     def __post_init__(self) -> None:
         self.dropped = [(0, 0)] * self.num_layers
-        if self.step.evicts_per_head:
-            self.heads = HeadKeep(self.step, self.num_layers)
+
+    @property
+    def request(self) -> Request:
+        return self.own.request
 
     def hidden(self, layer: int, seq_len: int) -> tuple[int, int]:
         return _union(self.dropped[layer], self.span.hidden(seq_len))
@@ -69,36 +67,33 @@ class DecodeRow:
 RecallScorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (prev_h, emb, local_h) -> [n]
 
 
-FOLD_EVERY = 64  # decode steps between re-folds of a row under learned-gate eviction (issue 15: at most 64)
-
-
 class DecodeRunner:
-    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None, gates: torch.Tensor | None = None,
-                 fold_every: int = FOLD_EVERY) -> None:
+    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None, facts: RowFacts | None = None) -> None:
         self.pool = pool
         self.scorer = scorer  # the recall head for steps that read hidden states (None: none loaded)
-        self.gates = gates  # the gate of each pool cell, per buffer (learned-gate models only)
-        self.fold_every = fold_every
-        self.folds = 0
-        self.folds_skipped = 0  # no room in the pool for a fold's slots at that step
-        self.fold_freed_slots = 0  # slots returned by folds, net of the slots the folds hold
+        self.facts = facts or RowFacts(pool)  # what every row state may use; its totals are the steps' figures
+        for step_class in DECODE_STEPS.values():  # every registered step's figures, at zero until it runs
+            for name, zero in step_class.totals(pool.num_layers).items():
+                self.facts.totals.setdefault(name, zero)
         self.rows: dict[int, DecodeRow] = {}
         self.freed_slots = 0  # slots returned to the pool while their requests ran
         self.rerun_count = 0
         self.rerun_forwards = 0  # forwards re-run ...
         self.partial_reruns = 0  # ... of which over only the rows that asked (a sub-batch)
-        self.routed_steps = 0  # steps of rows whose step reads hidden states, finished requests included
-        self.full_steps = 0
         self.failures = 0
         self.last_error: str | None = None
-        # Learned-gate eviction, over finished requests: entries deleted after the prefill and during
-        # decode, per attention layer, and what they held.
-        self.gate_deleted_prefill = [0] * pool.num_layers
-        self.gate_deleted_decode = [0] * pool.num_layers
-        self.gate_rows = 0
-        # Per-head eviction (online H2O, KeyDiff), over finished requests: entries evicted, over layers and heads.
-        self.head_rows_done = 0
-        self.head_evicted = 0
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        return self.facts.totals
+
+    def reports(self) -> dict[str, list[dict]]:
+        """Each running row's summary, in its step's report list (every step's list, empty when none runs)."""
+        out: dict[str, list[dict]] = {cls.row_state.report: [] for cls in DECODE_STEPS.values() if cls.row_state.report}
+        for row, state in self.rows.items():
+            if state.own.report and (summary := self._contain(state, lambda: state.own.summary(row))) is not None:
+                out[state.own.report].append(summary)
+        return out
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -108,7 +103,9 @@ class DecodeRunner:
         by another request -- one that ended without running a decode step -- is replaced."""
         state = self.rows.get(row)
         if state is None or state.request.rid != request.rid:
-            self.rows[row] = DecodeRow(step=settings.build(), request=request, num_layers=self.pool.num_layers)
+            step = settings.build()
+            self.rows[row] = DecodeRow(step=step, own=step.row_state(step, request, self.facts),
+                                       num_layers=self.pool.num_layers)
 
     # --- one decode forward ------------------------------------------------------------
 
@@ -135,17 +132,17 @@ class DecodeRunner:
     def prefill_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
         """A prefill (or a chunk of it) ran: each routed row's last final hidden state seeds prev_h."""
         for i in self.routed(rows):
-            self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
+            self.rows[rows[i]].own.prev_hidden = hidden[i].detach().clone()
 
     def _scores(self, batch_rows: list[int], rows: list[int], local_hidden: torch.Tensor | None,
                 embeddings: torch.Tensor | None) -> dict[int, float]:
         """The recall head's score of each routed row's first run (one batched call)."""
         routed = [row for row in rows if (state := self._live(row)) is not None and state.step.reads_hidden
-                  and state.prev_hidden is not None]
+                  and state.own.prev_hidden is not None]
         if not routed or self.scorer is None or local_hidden is None or embeddings is None:
             return {}
         index = torch.tensor([batch_rows.index(row) for row in routed], device=local_hidden.device)
-        prev = torch.stack([self.rows[row].prev_hidden for row in routed]).to(local_hidden.device)
+        prev = torch.stack([self.rows[row].own.prev_hidden for row in routed]).to(local_hidden.device)
         scores = self.scorer(prev, embeddings[index], local_hidden[index]).float().cpu().tolist()
         return dict(zip(routed, scores))
 
@@ -161,13 +158,10 @@ class DecodeRunner:
                 continue
             try:
                 span = state.step.rerun_span(state.steps, state.span, scores.get(row))
+                state.own.chose(span)
             except Exception as exc:
                 self._fail(state, exc)
                 continue
-            if state.step.reads_hidden:
-                self.routed_steps += 1
-                state.full_steps += span is not None and span.full
-                self.full_steps += span is not None and span.full
             if span is not None and span != state.span:
                 state.span = span
                 again.append(row)
@@ -181,25 +175,25 @@ class DecodeRunner:
     def commit_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
         """The step is done: each routed row's committed final hidden state is its next prev_h."""
         for i in self.routed(rows):
-            self.rows[rows[i]].prev_hidden = hidden[i].detach().clone()
+            self.rows[rows[i]].own.prev_hidden = hidden[i].detach().clone()
 
     # --- per-head eviction, driven by the attention backend one layer at a time ------------
 
     def per_head(self, rows: list[int]) -> dict[int, DecodeRow]:
         """Batch index -> the row's state, for rows whose step evicts per head."""
-        return {i: state for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.heads is not None}
+        return {i: state for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.step.evicts_per_head}
 
     def head_prefill(self, layer: int, rows: dict[int, DecodeRow], weights: dict[int, torch.Tensor | None]) -> None:
         """A prefill (chunk) ran in ``layer``: what its queries paid each entry counts."""
         for i, state in rows.items():
             if weights.get(i) is not None:
-                self._contain(state, lambda: state.heads.add_attention(layer, weights[i]))
+                self._contain(state, lambda: state.own.heads.add_attention(layer, weights[i]))
 
     def head_masks(self, layer: int, rows: dict[int, DecodeRow], seq_lens: list[int], keys_of: KeysOf) -> dict[int, torch.Tensor]:
         """Batch index -> [H, seq_len] what each head of the row reads at this decode step in ``layer``."""
         masks = {}
         for i, state in rows.items():
-            mask = self._contain(state, lambda: state.heads.mask(layer, seq_lens[i], lambda n: keys_of(i, n)))
+            mask = self._contain(state, lambda: state.own.heads.mask(layer, seq_lens[i], lambda n: keys_of(i, n)))
             if mask is not None:
                 masks[i] = mask
         return masks
@@ -208,7 +202,7 @@ class DecodeRunner:
                         weights: dict[int, torch.Tensor | None], keys_of: KeysOf) -> None:
         for i, state in rows.items():
             if not state.failed:
-                self._contain(state, lambda: state.heads.after_step(layer, seq_lens[i], weights.get(i),
+                self._contain(state, lambda: state.own.heads.after_step(layer, seq_lens[i], weights.get(i),
                                                                     lambda n: keys_of(i, n)))
 
     def _contain(self, state: DecodeRow, work: Callable):
@@ -218,13 +212,6 @@ class DecodeRunner:
             self._fail(state, exc)
             return None
 
-    def head_summary(self, state: DecodeRow) -> dict:
-        heads, seq_len = state.heads, state.kv_len or len(state.request.input_ids)
-        live = heads.live_per_layer(seq_len)
-        return {"decode": state.step.name, "budget": state.step.budget,
-                "live_entries_per_layer": {str(layer): round(n, 3) for layer, n in enumerate(live)},
-                "evicted_entries": sum(heads.evicted)}
-
     def gate_thresholds(self, rows: list[int]) -> list[float | None]:
         """Each row's learned-gate threshold (None for rows without such a step, or whose step failed)."""
         taus = []
@@ -233,87 +220,15 @@ class DecodeRunner:
             taus.append(state.step.gate_threshold() if state is not None and state.step.evicts_by_gate else None)
         return taus
 
-    def count_gate_deletions(self, state: DecodeRow, row: int) -> None:
-        """What a gate-evicting row has deleted so far, per attention layer past the first (the
-        first has no gate): entries under its threshold among the keys its last step read (the
-        current one included: used by that step, deleted after it), its fold's counts for the
-        stretch the fold holds. Counted from the gates when asked, not at every step."""
-        if self.gates is None or not state.step.evicts_by_gate or state.kv_len in (0, state.counted_len):
-            return
-        state.counted_len = state.kv_len
-        tau, fold = state.step.gate_threshold(), state.fold
-        prompt_len = len(state.request.input_ids)
-        slots = self.pool.row(row, state.kv_len)
-        for layer in range(1, self.pool.num_layers):
-            below = (self.gates[self.pool.layer_id(layer), slots] < tau).cpu()
-            if fold is not None:
-                below[fold.start : fold.end] = False  # those cells are gone; the fold counts them
-            prefill = int(below[:prompt_len].sum())
-            decode = int(below.sum()) - prefill
-            live = below.numel() - int(below.sum())
-            if fold is not None:
-                prefill += fold.deleted_prompt[layer]
-                decode += fold.deleted_generated[layer]
-                live += fold.kept(layer) - (fold.end - fold.start)
-            state.gate_deleted[layer] = (prefill, decode, live)
-
-    def fold(self, row: int) -> FoldedRow | None:
+    def fold(self, row: int):
+        """A gate-evicting row's re-folded stretch (``compact.gate_fold.FoldedRow``), else None."""
         state = self.rows.get(row)
-        return state.fold if state is not None else None
+        return getattr(state.own, "fold", None) if state is not None else None
 
-    def _maybe_fold(self, state: DecodeRow, row: int, seq_len: int) -> None:
-        """Every ``fold_every`` steps, re-fold a gate-evicting row's own positions so far: the cells
-        its deleted entries held go back to the pool."""
-        if self.gates is None or not state.step.evicts_by_gate or state.step.gate_threshold() <= 0:
-            return
-        if state.steps % self.fold_every:
-            return
-        start = state.fold.start if state.fold is not None else state.request.owned_from
-        if state.fold is not None and state.request.owned_from > start:
-            raise NotImplementedError("learned-gate folding: the prefix cache took positions already folded")
-        if seq_len - (state.fold.end if state.fold is not None else start) <= 0:
-            return
-        previous = state.fold
-        fold = fold_row(self.pool, self.gates, self.pool.row(row, seq_len), start, seq_len,
-                        len(state.request.input_ids), state.step.gate_threshold(), previous)
-        if fold is None:
-            self.folds_skipped += 1
-            return
-        self.folds += 1
-        released = (previous.slots.numel() if previous is not None else 0) + seq_len - (previous.end if previous else start)
-        self.fold_freed_slots += released - fold.slots.numel()
-        state.fold = fold
-        state.freed = (start, seq_len)  # the row's cells there are gone: release() must not free them again
-
-    def gate_summary(self, state: DecodeRow) -> dict | None:
-        if not state.gate_deleted:
-            return None
-        layers = sorted(state.gate_deleted)
-        prefill = sum(state.gate_deleted[layer][0] for layer in layers)
-        decode = sum(state.gate_deleted[layer][1] for layer in layers)
-        return {"decode": state.step.name, "tau": state.step.gate_threshold(),
-                "live_entries_per_layer": {str(layer): state.gate_deleted[layer][2] for layer in layers},
-                "deleted_at_prefill": prefill, "deleted_at_decode": decode,
-                "deleted_bytes": (prefill + decode) * self.pool.bytes_per_entry,
-                "folds": state.fold.folds if state.fold is not None else 0,
-                "freed_bytes": (state.fold.end - state.fold.start - state.fold.slots.numel())
-                * self.pool.bytes_per_entry * self.pool.num_layers if state.fold is not None else 0}
-
-    def summary(self, row: int) -> dict | None:
-        """What a routed row's step did (for its response and /kvx/stats); None for other rows."""
+    def outcome(self, row: int) -> dict | None:
+        """What a row's step did, for its response when it ends (None: nothing to say)."""
         state = self.rows.get(row)
-        if state is None:
-            return None
-        self.count_gate_deletions(state, row)
-        if state.gate_deleted:
-            return self.gate_summary(state)
-        if state.heads is not None:
-            return self.head_summary(state)
-        if not state.step.reads_hidden:
-            return None
-        routed = state.steps
-        return {"decode": state.step.name, "routed_steps": routed, "full_steps": state.full_steps,
-                "full_rate": round(state.full_steps / routed, 6) if routed else 0.0}
+        return self._contain(state, lambda: state.own.outcome(row)) if state is not None else None
 
     def end(self, rows: list[int], seq_lens: list[int]) -> None:
         """After the step: record what each row drops; free the slots no layer reads any more."""
@@ -329,11 +244,13 @@ class DecodeRunner:
                 self._fail(state, exc)
                 continue
             if dropped is None:
-                state.kv_len = seq_len
                 try:
-                    self._maybe_fold(state, row, seq_len)
+                    state.own.after_step(row, seq_len)
                 except Exception as exc:
                     self._fail(state, exc)
+                    continue
+                if state.own.freed is not None:  # cells its own state gave back (a fold): not freed again
+                    state.freed = state.own.freed
                 continue
             state.dropped = [_union(old, new) for old, new in zip(state.dropped, dropped)]
             # Positions every layer dropped, and that are this request's own (not the prefix cache's).
@@ -394,19 +311,9 @@ class DecodeRunner:
         """The row's request leaves: free its own live slots here (some were freed already) and
         return the new owned start for SGLang (nothing left for it to free), or None when the row
         ran no decode step that freed anything (SGLang frees as usual)."""
-        if row in self.rows:
-            self.count_gate_deletions(self.rows[row], row)
         state = self.rows.pop(row, None)
-        if state is not None and state.fold is not None:
-            self.pool.free(state.fold.slots)
-        if state is not None and state.heads is not None:
-            self.head_rows_done += 1
-            self.head_evicted += sum(state.heads.evicted)
-        if state is not None and state.gate_deleted:
-            self.gate_rows += 1
-            for index, (prefill, decode, _live) in state.gate_deleted.items():
-                self.gate_deleted_prefill[index] += prefill
-                self.gate_deleted_decode[index] += decode
+        if state is not None:
+            self._contain(state, lambda: state.own.release(row))
         if state is None or state.freed[1] <= state.freed[0]:
             return None
         owned_from = state.request.owned_from

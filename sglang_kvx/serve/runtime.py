@@ -20,7 +20,7 @@ import torch
 from sglang_kvx.compact.compactor import Compactor, NothingFreed
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
-from sglang_kvx.decode.flops import oda_flops
+from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request, TensorParallel
@@ -67,7 +67,8 @@ class Runtime:
         self.recall_head = load_recall_head(config) if config.decode_steps and config.oda_head else None
         if self.recall_head is not None:
             self.recall_head.to(pool.device)
-        self.decode = DecodeRunner(pool, self.recall_head, gates=gates)
+        self.decode = DecodeRunner(pool, self.recall_head, RowFacts(pool, gates=gates, model_path=config.model_path,
+                                                                   recall_head=self.recall_head))
         self.sparse_index = SparseIndex()  # the indexer's compressed keys per row (--kvx-sparse-attention)
         self.submit = submit
         self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
@@ -209,11 +210,9 @@ class Runtime:
         if request.finished and request.rid.startswith(AUTO_RID_PREFIX):
             self.shared.pending.discard(tuple(int(t) for t in request.input_ids))
         if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
-            summary = self.decode.summary(request.row)
-            if summary is not None:
-                step = self.decode.rows[request.row].step
-                flops = self._flops(request, step) if step.reads_hidden else {}
-                state.outcome = {**(state.outcome or {}), **summary, **flops}
+            outcome = self.decode.outcome(request.row)
+            if outcome is not None:
+                state.outcome = {**(state.outcome or {}), **outcome}
             # Slots a decode step freed already: SGLang must not free them again.
             owned_len = self.decode.release(request.row, request.owned_len)
             if owned_len is not None:
@@ -230,13 +229,6 @@ class Runtime:
             self.recorder.take(request.row)
             return
         self._contained(lambda: self._compact_parent(request, state), request)
-
-    def _flops(self, request: Request, step) -> dict:
-        """A routed request's FLOPs ledger (seed 003, Eqs. 24-25), counted from the model's shapes
-        and the schedule it ran."""
-        ledger = oda_flops(self.config.model_path, len(request.input_ids), step.schedule, sinks=step.sinks,
-                           window=step.window, head_flops=self.recall_head.flops() if self.recall_head else 0)
-        return {"flops": {key: ledger[key] for key in ("full_flops", "oda_flops", "saved_fraction")}}
 
     def _contained(self, work: Callable[[], None], request: Request) -> None:
         try:
@@ -367,19 +359,9 @@ class Runtime:
             "decode_reruns": self.decode.rerun_count,  # rows re-run
             "decode_rerun_forwards": self.decode.rerun_forwards,
             "decode_partial_reruns": self.decode.partial_reruns,  # forwards re-running only some rows of a batch
-            "oda_routed_steps": self.decode.routed_steps,
-            "oda_full_steps": self.decode.full_steps,
-            "oda_full_rate": round(self.decode.full_steps / self.decode.routed_steps, 6) if self.decode.routed_steps else 0.0,
             "decode_step_failures": self.decode.failures,
-            "gate_eviction_requests": self.decode.gate_rows,  # finished requests that ran learned-gate eviction
-            "gate_deleted_bytes": (sum(self.decode.gate_deleted_prefill) + sum(self.decode.gate_deleted_decode))
-            * self.pool.bytes_per_entry,
-            # Re-folding: pool slots returned while the requests ran (net of the folds' own slots).
-            "gate_folds": self.decode.folds,
-            "gate_folds_skipped_no_room": self.decode.folds_skipped,
-            "gate_freed_bytes": self.decode.fold_freed_slots * self.pool.bytes_per_entry * self.pool.num_layers,
-            "head_eviction_finished": self.decode.head_rows_done,  # finished requests under online H2O / KeyDiff
-            "head_evicted_entries": self.decode.head_evicted,  # ... entries they evicted, over layers and heads
+            # Each decode step's own figures (its ``totals``: ODA's routing, learned-gate deletions, per-head evictions).
+            **{name: value for name, value in self.decode.totals.items() if isinstance(value, (int, float))},
             "sparse_index_blocks_built": self.sparse_index.blocks_built,  # compressed keys built (not reused)
             "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
             "auto_contexts_queued": self.auto_contexts,
@@ -402,17 +384,10 @@ class Runtime:
             "compacted_contexts": [self._with_sparse_index(c.summary(), c) for c in contexts],
             **self.counts(),
             "last_compaction_error": self.errors[-1] if self.errors else None,
-            "oda_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
-                             and "routed_steps" in s],
-            # Running requests under learned-gate eviction: live entries per layer, deleted, folded.
-            "gate_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
-                              and "tau" in s],
-            # Running requests under per-head eviction (online H2O, KeyDiff): mean live entries per head.
-            "head_eviction_requests": [s for row in self.decode.rows if (s := self.decode.summary(row)) is not None
-                                       and "budget" in s],
-            # Learned-gate eviction: per attention layer, entries deleted after the prefill and during decode.
-            "gate_deleted_per_layer": [{"prefill": p, "decode": d} for p, d in
-                                       zip(self.decode.gate_deleted_prefill, self.decode.gate_deleted_decode)],
+            # Running requests by their decode step's report (ODA's routing, learned-gate deletions, per-head live entries).
+            **self.decode.reports(),
+            # Each decode step's per-layer figures (learned-gate eviction: entries deleted after the prefill and during decode).
+            **{name: value for name, value in self.decode.totals.items() if not isinstance(value, (int, float))},
             "last_decode_step_error": self.decode.last_error,
             # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
             "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],

@@ -1,4 +1,4 @@
-"""Per-head eviction during decode, for the rows of one scheduler (``h2o`` and ``keydiff`` decode steps).
+"""Per-head eviction during decode: the per-row state of the ``h2o`` and ``keydiff`` decode steps.
 
 A row whose step ``evicts_per_head`` holds, per attention layer, which entries each KV head keeps
 and (steps that ``read_attention``) the attention each entry was paid so far. The attention
@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from sglang_kvx.decode import DecodeStep
+from sglang_kvx.decode.base import DecodeStep
+from sglang_kvx.decode.row_state import RowState
 
 KeysOf = Callable[[int, int], torch.Tensor]  # (batch index, length) -> that row's first keys [H, length, D]
 
@@ -83,3 +84,33 @@ class HeadKeep:
     def live_per_layer(self, seq_len: int) -> list[float]:
         """Entries each layer's heads hold on average (all of them where no decode step ran yet)."""
         return [float(k[:, :seq_len].sum(1).float().mean()) if k is not None else float(seq_len) for k in self.keep]
+
+
+class HeadRow(RowState):
+    """A request under per-head eviction: its ``HeadKeep``; its report, the mean live entries per
+    layer's heads and what they evicted."""
+
+    report = "head_eviction_requests"
+
+    def __init__(self, step, request, facts) -> None:
+        super().__init__(step, request, facts)
+        self.heads = HeadKeep(step, facts.pool.num_layers)
+        self.kv_len = 0
+
+    @staticmethod
+    def totals(num_layers: int) -> dict:
+        return {"head_eviction_finished": 0,  # finished requests under online H2O / KeyDiff
+                "head_evicted_entries": 0}  # ... entries they evicted, over layers and heads
+
+    def after_step(self, row: int, seq_len: int) -> None:
+        self.kv_len = seq_len
+
+    def summary(self, row: int) -> dict:
+        live = self.heads.live_per_layer(self.kv_len or len(self.request.input_ids))
+        return {"decode": self.step.name, "budget": self.step.budget,
+                "live_entries_per_layer": {str(layer): round(n, 3) for layer, n in enumerate(live)},
+                "evicted_entries": sum(self.heads.evicted)}
+
+    def release(self, row: int) -> None:
+        self.facts.totals["head_eviction_finished"] += 1
+        self.facts.totals["head_evicted_entries"] += sum(self.heads.evicted)

@@ -1,0 +1,66 @@
+"""A decode step's own per-row state: what a step keeps for one running request beyond its span.
+
+The runner (``serve/decoding.py``) keeps, for every request running a decode step, the span of the
+current step and the positions every layer dropped; everything else a step needs per request --
+gates, per-head budgets, recall-head hidden states, folds -- and its counters and report live in an
+instance of the step's ``row_state`` class, made when the request enters its row:
+
+  chose(span)            after each decode step's first run: the span the step committed to (None:
+                         the first run's; steps that may re-run)
+  after_step(row, seq_len)
+                         after each decode step with ``seq_len`` keys
+  summary(row)           what it did so far (the response's ``meta_info`` and ``/kvx/stats``, in the
+                         list named ``report``); None: nothing to say
+  outcome(row)           the response's report when the request ends (default: ``summary``)
+  release(row)           the request leaves: free what it holds, add its figures to the totals
+
+Server-wide figures go in ``facts.totals`` under names the step class declares
+(``DecodeStep.totals``), so the runtime and ``/kvx/stats`` list them without naming any step. A
+method raising here ends its own request only (the runner contains it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class RowFacts:
+    """What a row state may use of the scheduler, the same for every row."""
+
+    pool: Any  # ports.KVPool: rows' slots, bytes per entry, free()
+    totals: dict[str, Any] = field(default_factory=dict)  # server-wide figures, by the names steps declare
+    gates: Any = None  # learned-gate models: the gate of each pool cell, per buffer (torch.Tensor)
+    fold_every: int = 64  # decode steps between re-folds of a row under learned-gate eviction
+    model_path: str = ""  # the served checkpoint (its config: FLOPs ledgers)
+    recall_head: Any = None  # On-Demand Attention's recall head (decode.recall_head.RecallHead), if loaded
+
+
+class RowState:
+    """The default: a step with no per-row state of its own (StreamingLLM, span schedules)."""
+
+    report: ClassVar[str] = ""  # the /kvx/stats list running rows' summaries go to ("" = none)
+
+    def __init__(self, step, request, facts: RowFacts) -> None:
+        self.step = step
+        self.request = request  # read live: SGLang moves its owned start when it caches the prompt
+        self.facts = facts
+        # Positions [start, end) of the row whose cells this state gave back to the pool itself (a
+        # learned-gate fold): the runner must not free them again.
+        self.freed: tuple[int, int] | None = None
+
+    def chose(self, span) -> None:
+        pass
+
+    def after_step(self, row: int, seq_len: int) -> None:
+        pass
+
+    def summary(self, row: int) -> dict | None:
+        return None
+
+    def outcome(self, row: int) -> dict | None:
+        return self.summary(row)
+
+    def release(self, row: int) -> None:
+        pass
