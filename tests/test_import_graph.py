@@ -88,3 +88,19 @@ def test_only_the_dispatch_reads_the_environment_in_the_kernel_layer() -> None:
     readers = sorted(path.name for path in (PACKAGE / "ops").glob("*.py")
                      if "environ" in path.read_text() and path.name != "dispatch.py")
     assert readers == []
+
+
+def test_lower_floors_do_not_import_higher_ones() -> None:
+    """The pipeline's floors: the kernel layer and the signals (what a prefill records) import no
+    policy, runtime or SGLang seam; decode steps no runtime or seam."""
+    modules = _modules()
+    higher = {"sglang_kvx.ops": ("policies", "serve", "adapter", "signals", "decode"),
+              "sglang_kvx.signals": ("policies", "serve", "adapter", "decode"),
+              "sglang_kvx.decode": ("serve", "adapter")}
+    wrong = []
+    for name, path in modules.items():
+        for floor, above in higher.items():
+            if name == floor or name.startswith(floor + "."):
+                wrong += [(name, m) for m in _imports(name, path, modules)
+                          if any(m == f"sglang_kvx.{a}" or m.startswith(f"sglang_kvx.{a}.") for a in above)]
+    assert wrong == []

@@ -166,12 +166,3 @@ def layer_signal(signals: ContextSignals, field_name: str, layer: int, policy: s
     if per_layer is None:
         raise ValueError(f"KV policy {policy!r} needs ContextSignals.{field_name}, which this prefill did not produce")
     return per_layer[layer]
-
-
-def sum_over_kv_groups(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[q_heads, ...] -> [kv_heads, ...]: sum the query heads sharing each KV head (query head h reads KV head h // group)."""
-    num_q_heads = per_query_head.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV groups")
-    group_size = num_q_heads // num_kv_heads
-    return per_query_head.reshape(num_kv_heads, group_size, *per_query_head.shape[1:]).sum(dim=1)

@@ -22,34 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy, sum_over_kv_groups
+from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy
 from sglang_kvx.signals import CaptureSpec, ContextSignals
+from sglang_kvx.signals.column_sums import add_column_sums, sum_over_kv_groups
 
-QUERY_BLOCK = 512  # queries per block: bounded [q_heads, 512, S] logits at a time
-
-
-def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, scaling: float, first_position: int) -> None:
-    """Add, per query head and key, the causal softmax attention of ``queries`` to ``sums`` [q_heads, >= S]
-    (or [kv_heads, >= S]: summed over each KV group's query heads, all H2O reads, a group's size smaller).
-
-    queries [t, q_heads, D] sit at positions first_position .. first_position + t - 1 (one prefill
-    chunk); keys [S, kv_heads, D] are every key up to the last of them, post-RoPE as cached.
-    Accumulated chunk by chunk, this is ContextSignals.attention_column_sums.
-    """
-    num_q_heads = queries.shape[1]
-    seq_len = keys.shape[0]
-    if sums.shape[0] not in (num_q_heads, keys.shape[1]):
-        raise ValueError(f"sums for {sums.shape[0]} heads: expected {num_q_heads} query or {keys.shape[1]} KV heads")
-    keys = keys.float().repeat_interleave(num_q_heads // keys.shape[1], dim=1)  # [S, q_heads, D]
-    key_positions = torch.arange(seq_len, device=keys.device)
-    for start in range(0, queries.shape[0], QUERY_BLOCK):
-        block = queries[start : start + QUERY_BLOCK].float()
-        logits = torch.einsum("thd,shd->hts", block, keys) * scaling
-        query_positions = first_position + start + torch.arange(block.shape[0], device=keys.device)
-        future = key_positions[None, :] > query_positions[:, None]
-        block_sums = logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)  # [q_heads, S]
-        sums[:, :seq_len] += sum_over_kv_groups(block_sums, sums.shape[0])
-
+__all__ = ["H2OPolicy", "add_column_sums"]
 
 @register_policy("h2o")
 class H2OPolicy(KVPolicy):

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from sglang_kvx.policies.triattention import query_statistics
+from sglang_kvx.signals.query_statistics import query_statistics
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.signals import ContextSignals, GDNLayerSignals, QueryStatistics
 

@@ -23,8 +23,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from sglang_kvx.ops.gdn import causal_conv1d, gdn_gates
-from sglang_kvx.policies.h2o import add_column_sums
-from sglang_kvx.policies.triattention import combine_query_statistics, query_statistics
+from sglang_kvx.signals.column_sums import add_column_sums
+from sglang_kvx.signals.query_statistics import combine_query_statistics, query_statistics
 from sglang_kvx.ports import Batch, KVPool, Segment
 from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals, GDNLayerSignals, gdn_layers_before
 
