@@ -114,7 +114,7 @@ def main() -> None:
             before = server.stats()["kv_pool_free_tokens"]
             t0 = time.perf_counter()
             prefill(context_ids(n, i), {"policy": policy, "keep_fraction": p})
-            while server.stats(timeout=STEP_TIMEOUT_S)["kvzip_passes_pending"]:  # KVzip compacts after its second pass
+            while server.stats(timeout=STEP_TIMEOUT_S)["second_passes_pending"]:  # KVzip compacts after its second pass
                 time.sleep(0.05)
             total_s = time.perf_counter() - t0
             stats = server.stats()
@@ -192,7 +192,7 @@ def main() -> None:
                 requests.post(one_chunk.url + "/generate", json={"input_ids": context_ids(n, i), "sampling_params": {
                     "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}},
                     timeout=3600).raise_for_status()
-                while one_chunk.stats(timeout=STEP_TIMEOUT_S)["kvzip_passes_pending"]:
+                while one_chunk.stats(timeout=STEP_TIMEOUT_S)["second_passes_pending"]:
                     time.sleep(0.05)
             whole_keeps = keep_sets(one_chunk.url)
         for policy in policies:

@@ -35,7 +35,7 @@ def keep_sets(server, context: list[int]) -> dict[str, dict]:
             "max_new_tokens": 0, "custom_params": {"kvx": kvx}}})
         assert response.status_code == 200, response.text
         deadline = time.monotonic() + 300
-        while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
+        while server.stats()["second_passes_pending"] and time.monotonic() < deadline:
             time.sleep(0.2)
     stats = server.stats()
     assert stats["compactions_failed"] == failed, stats["last_compaction_error"]

@@ -149,7 +149,7 @@ def test_tensor_parallel_ranks_compact_their_own_heads(two_ranks) -> None:
         response = server.generate({"input_ids": context, "sampling_params": {"max_new_tokens": 0, **settings}})
         assert response.status_code == 200, response.text
         deadline = time.monotonic() + 120  # KVzip: every rank runs the same reconstruction passes first
-        while server.stats()["kvzip_passes_pending"] and time.monotonic() < deadline:
+        while server.stats()["second_passes_pending"] and time.monotonic() < deadline:
             time.sleep(0.2)
         response = server.generate({"input_ids": context + question,
                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True, **settings}})

@@ -27,7 +27,7 @@ COUNTERS = {
 GAUGES = {
     "store_slots": ("sglang:kvx_store_slots", "KV pool slots held by compacted contexts."),
     "store_reserved_slots": ("sglang:kvx_store_reserved_slots", "Store slots within the tenants' reserved shares."),
-    "kvzip_passes_pending": ("sglang:kvx_kvzip_passes_pending", "KVzip reconstruction passes not yet run."),
+    "second_passes_pending": ("sglang:kvx_second_passes_pending", "Second passes (KVzip's reconstruction) not yet run."),
 }
 SCORING = ("sglang:kvx_scoring_seconds", "Time to score, allocate and select one context's keep-set.")
 SCORING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -1,16 +1,16 @@
-"""KVzip's second pass inside SGLang: the context-reconstruction requests a kvzip parent needs.
+"""Second passes inside SGLang: the further forwards a policy with a ``second_pass`` scores a context
+by (``policies.base.SecondPass``; KVzip's context reconstruction is the one shipped).
 
-KVzip scores a context by what the model attends to while repeating it, so a kvzip parent is
-compacted in two steps instead of one:
+Such a parent is compacted in two steps instead of one:
   1. at the parent's release its full KV stays in its own slots (held here, counted by SGLang's
      leak check like the store's) with its GDN states snapshotted, and one internal request per
-     reconstruction chunk is queued through the scheduler (the adapter's ``submit``: SGLang's own ``handle_generate_request``): prompt ids
-     = context + KVzip's repeat prompt + the chunk. Each pass is a child of the full context
+     pass is queued through the scheduler (the adapter's ``submit``: SGLang's own ``handle_generate_request``):
+     prompt ids = context + the pass's own (KVzip: its repeat prompt + a chunk). Each pass is a child of the full context
      (the store's child machinery: prefix slots, GDN snapshot restored), so only the pass tokens
      are prefilled, and it never reaches the client (``finished_output``);
   2. as each pass leaves, its captured queries and the keys of [context ; pass] fold into the
-     score (``policies.kvzip.accumulate_reconstruction_attention``); after the last pass the
-     ``Compactor`` selects and compacts within the held slots and the rest are freed.
+     policy's totals (``SecondPass.accumulate``); after the last pass the ``Compactor`` selects and
+     compacts within the held slots (the totals as ``ContextSignals.<signal>``) and the rest are freed.
 Requests for the context that arrive before the passes finish are served from the full cache.
 """
 
@@ -26,13 +26,8 @@ import torch
 
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.layout import fold_layers
-from sglang_kvx.policies.kvzip import (
-    CHUNK_SIZE,
-    PREVIOUS_TAIL,
-    accumulate_reconstruction_attention,
-    reconstruction_inputs,
-    reconstruction_prompt_ids,
-)
+from sglang_kvx.policies import get_policy
+from sglang_kvx.policies.base import SecondPass
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.settings import CompactionSettings, SettingsError
 from sglang_kvx.signals import CaptureSpec
@@ -43,26 +38,19 @@ logger = logging.getLogger(__name__)
 
 # Internal request ids: clients cannot send an id with this prefix (refused at the door).
 INTERNAL_RID_PREFIX = "kvx-internal-"
-PASS_RID_PREFIX = INTERNAL_RID_PREFIX + "kvzip-pass-"
+PASS_RID_PREFIX = INTERNAL_RID_PREFIX + "pass-"
 PASS_CAPTURE = CaptureSpec(pass_queries=True)
 
 
 @dataclass
-class KVzipJob:
+class PassJob:
+    rule: SecondPass  # the policy's second pass
     context: CompactedContext  # the full context (S = n, every layer keeps every position)
     passes: dict[str, tuple[int, int]]  # rid -> (start, end) of its chunk
-    totals: list[torch.Tensor]  # per attention layer [kv_heads, n]: running max of reconstruction attention
+    totals: list[torch.Tensor]  # per attention layer [kv_heads, n]: what the passes folded in
     started: float = field(default_factory=time.perf_counter)
     accumulate_s: float = 0.0
     failed: str | None = None
-
-
-def pass_length(context_len: int, prompt_ids: tuple[list[int], list[int], list[int]], protected: int) -> int:
-    """Tokens of the longest reconstruction pass of a context (the child must fit the context length)."""
-    prompt, continuation, postfix = prompt_ids
-    chunk = min(CHUNK_SIZE, max(0, context_len - protected))
-    lead = max(len(prompt), len(continuation) + PREVIOUS_TAIL)
-    return lead + len(postfix) + chunk
 
 
 def full_context(context_ids: tuple[int, ...], settings: CompactionSettings, slots: torch.Tensor,
@@ -74,9 +62,9 @@ def full_context(context_ids: tuple[int, ...], settings: CompactionSettings, slo
     )
 
 
-class KVzipSecondPass:
-    """KVzip's jobs in one scheduler: start at a kvzip parent's release, fold each pass in as it
-    leaves, compact after the last one."""
+class SecondPassRunner:
+    """The second-pass jobs of one scheduler: start at such a parent's release, fold each pass in
+    as it leaves, compact after the last one."""
 
     def __init__(self, pool: KVPool, compactor: Compactor, store: ContextStore, recorder: SignalRecorder,
                  submit: Callable[[str, list[int]], None], tokenizer: Any, context_len: int,
@@ -89,22 +77,23 @@ class KVzipSecondPass:
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.on_failure = on_failure
-        self.jobs: dict[str, KVzipJob] = {}  # pass request id -> its job
-        self._prompt: tuple[list[int], list[int], list[int]] | None = None
+        self.jobs: dict[str, PassJob] = {}  # pass request id -> its job
+        self._prompts: dict[str, Any] = {}  # policy name -> its passes' prompt ids
         self._job_ids = itertools.count()
 
-    def prompt(self) -> tuple[list[int], list[int], list[int]]:
-        if self._prompt is None:
+    def prompt(self, policy: str) -> Any:
+        if policy not in self._prompts:
             if self.tokenizer is None:
-                raise SettingsError("policy 'kvzip' needs the server's tokenizer (do not pass --skip-tokenizer-init)")
-            self._prompt = reconstruction_prompt_ids(self.tokenizer)
-        return self._prompt
+                raise SettingsError(f"policy {policy!r} needs the server's tokenizer (do not pass --skip-tokenizer-init)")
+            self._prompts[policy] = get_policy(policy).second_pass.prompt_ids(self.tokenizer)
+        return self._prompts[policy]
 
-    def check_fits(self, n: int, protected: int) -> str | None:
-        """Why a kvzip parent of ``n`` tokens cannot be served (its passes exceed the context length), or None."""
-        longest = n + pass_length(n, self.prompt(), protected)
+    def check_fits(self, settings: CompactionSettings, n: int) -> str | None:
+        """Why a parent of ``n`` tokens cannot be served (its passes exceed the context length), or None."""
+        rule = get_policy(settings.policy).second_pass
+        longest = n + rule.longest_pass(n, self.prompt(settings.policy), settings.protected_prefix_len)
         if longest > self.context_len:
-            return (f"kvzip's reconstruction pass of this {n}-token context needs {longest} tokens of context "
+            return (f"{settings.policy}'s reconstruction pass of this {n}-token context needs {longest} tokens of context "
                     f"length; the server allows {self.context_len} (raise --context-length)")
         return None
 
@@ -127,7 +116,8 @@ class KVzipSecondPass:
         else:  # part of the context was a prefix-cache hit (the tree's slots): take a copy
             slots = self.pool.alloc(n)
             if slots is None:
-                logger.warning("sglang_kvx: no room to hold a %d-token context for kvzip; it stays uncompacted", n)
+                logger.warning("sglang_kvx: no room to hold a %d-token context for %s's passes; it stays uncompacted",
+                               n, settings.policy)
                 return False
             for layer in range(self.pool.num_layers):
                 self.pool.write(layer, slots, *self.pool.read(layer, row))
@@ -135,11 +125,12 @@ class KVzipSecondPass:
         snapshot = self.pool.snapshot_state(request) if self.pool.has_state else None
         context = full_context(context_ids, settings, slots, self.pool.num_layers, snapshot)
         context.tenant = tenant
-        job = KVzipJob(context=context, passes={},
-                       totals=[torch.zeros(self.pool.num_kv_heads, n, device=self.pool.device)
-                               for _ in range(self.pool.num_layers)])
+        rule = get_policy(settings.policy).second_pass
+        job = PassJob(rule=rule, context=context, passes={},
+                      totals=[torch.zeros(self.pool.num_kv_heads, n, device=self.pool.device)
+                              for _ in range(self.pool.num_layers)])
         job_id = next(self._job_ids)
-        passes = reconstruction_inputs(list(context_ids), *self.prompt(), protected_prefix_len=settings.protected_prefix_len)
+        passes = rule.passes(list(context_ids), self.prompt(settings.policy), settings.protected_prefix_len)
         queued = []
         for i, (start, end, ids) in enumerate(passes):
             rid = f"{PASS_RID_PREFIX}{job_id}-{i}"
@@ -148,7 +139,7 @@ class KVzipSecondPass:
             queued.append((rid, list(context_ids) + ids))
         for rid, ids in queued:
             self.submit(rid, ids)
-        logger.info("sglang_kvx: kvzip holds a %d-token context for %d reconstruction pass(es)", n, len(passes))
+        logger.info("sglang_kvx: %s holds a %d-token context for %d pass(es)", settings.policy, n, len(passes))
         return True
 
     def finish_pass(self, request: Request) -> None:
@@ -166,23 +157,24 @@ class KVzipSecondPass:
             for layer in range(self.pool.num_layers):
                 keys = self.pool.read_keys(layer, row).transpose(0, 1).float()  # [Hkv, n + m, D]
                 queries = torch.cat(recording.pass_queries[layer]).transpose(0, 1)  # [Hq, m, D]
-                accumulate_reconstruction_attention(job.totals[layer], queries, keys, start, end,
-                                                    protected_prefix_len=job.context.settings.protected_prefix_len,
-                                                    scaling=recording.scaling[layer])
+                job.rule.accumulate(job.totals[layer], queries, keys, start, end,
+                                    protected_prefix_len=job.context.settings.protected_prefix_len,
+                                    scaling=recording.scaling[layer])
             job.accumulate_s += time.perf_counter() - t0
         if not job.passes:
             self._complete(job)
 
-    def _complete(self, job: KVzipJob) -> None:
+    def _complete(self, job: PassJob) -> None:
         held = job.context.slots
         if job.failed is not None:
             self.pool.free(held)
             self.on_failure(job.failed)
-            logger.error("sglang_kvx: kvzip compaction failed (%s); the context stays uncompacted", job.failed)
+            logger.error("sglang_kvx: %s compaction failed (%s); the context stays uncompacted",
+                         job.context.settings.policy, job.failed)
             return
 
         def fill(signals) -> None:
-            signals.reconstruction_attention = job.totals
+            setattr(signals, job.rule.signal, job.totals)
 
         try:
             context = self.compactor.compact(
@@ -194,7 +186,7 @@ class KVzipSecondPass:
         except Exception as exc:  # contained: the held context is returned, the scheduler goes on
             self.pool.free(held)
             self.on_failure(f"{type(exc).__name__}: {exc}")
-            logger.exception("sglang_kvx: kvzip compaction failed; the context stays uncompacted")
+            logger.exception("sglang_kvx: %s compaction failed; the context stays uncompacted", job.context.settings.policy)
             return
         if context.num_slots < len(held):
             self.pool.free(held[context.num_slots :])

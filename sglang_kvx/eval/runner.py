@@ -52,7 +52,7 @@ def _wait_for_second_passes(url: str, timeout: float = 600.0) -> None:
     import time
 
     deadline = time.monotonic() + timeout
-    while requests.get(url + "/kvx/stats", timeout=30).json().get("kvzip_passes_pending"):
+    while requests.get(url + "/kvx/stats", timeout=30).json().get("second_passes_pending"):
         if time.monotonic() > deadline:
             raise RuntimeError("kvzip reconstruction passes did not finish in time")
         time.sleep(0.1)

@@ -47,6 +47,34 @@ class ModelTraits:
         return frozenset(signals)
 
 
+class SecondPass:
+    """How a policy scores a context by further forwards over it (``KVPolicy.second_pass``; KVzip's
+    reconstruction is one). The runtime (``compact/second_pass.py``) holds the parent's full KV,
+    queues one internal child of it per pass (``passes``: context ids + the pass's own), folds each
+    pass's captured queries and the keys of [context ; pass] into per-layer totals (``accumulate``),
+    and compacts with ``ContextSignals.<signal>`` set to those totals."""
+
+    signal: ClassVar[str] = ""  # the ContextSignals field the totals fill
+
+    def prompt_ids(self, tokenizer: Any) -> Any:
+        """Token ids the passes are built from (computed once per server, from its tokenizer)."""
+        raise NotImplementedError
+
+    def passes(self, context_ids: list[int], prompt: Any, protected_prefix_len: int) -> list[tuple[int, int, list[int]]]:
+        """(start, end, pass ids): each pass's chunk [start, end) of the context and its own tokens."""
+        raise NotImplementedError
+
+    def longest_pass(self, n: int, prompt: Any, protected_prefix_len: int) -> int:
+        """Tokens of the longest pass over an ``n``-token context (it must fit the context length beside it)."""
+        raise NotImplementedError
+
+    def accumulate(self, total: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, start: int, end: int, *,
+                   protected_prefix_len: int, scaling: float) -> None:
+        """Fold one pass of one attention layer into ``total`` [kv_heads, n] (queries [Hq, m, D]; keys
+        [Hkv, n + m, D]: the context's, then the pass's own)."""
+        raise NotImplementedError
+
+
 class KVPolicy:
     """Base class. ``needs`` names the signals a policy reads; a model lacking one is refused.
 
@@ -72,7 +100,7 @@ class KVPolicy:
     # False for a policy that scores offline only (the HF oracle, choose_keep_set): the server refuses it.
     served: ClassVar[bool] = True
     # Scored by the server's internal reconstruction requests after the prefill (KVzip), not at release.
-    second_pass: ClassVar[bool] = False
+    second_pass: ClassVar[SecondPass | None] = None
     # The layer-budget rule used unless the caller picks another (a name in sglang_kvx.allocate).
     allocation: ClassVar[str] = "flat"
 

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from sglang_kvx.policies.base import KVPolicy, layer_signal, register_policy
+from sglang_kvx.policies.base import KVPolicy, SecondPass, layer_signal, register_policy
 from sglang_kvx.signals import ContextSignals
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the previous context exactly."
@@ -142,10 +142,32 @@ def accumulate_reconstruction_attention(
     return total
 
 
+class KVzipReconstruction(SecondPass):
+    """KVzip's second pass: the context repeated after its repeat prompt, chunk by chunk, each chunk's
+    score the max over the pass's queries (and a KV group's heads) of the attention they pay it."""
+
+    signal = "reconstruction_attention"
+
+    def prompt_ids(self, tokenizer) -> tuple[list[int], list[int], list[int]]:
+        return reconstruction_prompt_ids(tokenizer)
+
+    def passes(self, context_ids: list[int], prompt, protected_prefix_len: int) -> list[tuple[int, int, list[int]]]:
+        return reconstruction_inputs(context_ids, *prompt, protected_prefix_len=protected_prefix_len)
+
+    def longest_pass(self, n: int, prompt, protected_prefix_len: int) -> int:
+        first, continuation, postfix = prompt
+        chunk = min(CHUNK_SIZE, max(0, n - protected_prefix_len))
+        return max(len(first), len(continuation) + PREVIOUS_TAIL) + len(postfix) + chunk
+
+    def accumulate(self, total, queries, keys, start, end, *, protected_prefix_len, scaling) -> None:
+        accumulate_reconstruction_attention(total, queries, keys, start, end,
+                                            protected_prefix_len=protected_prefix_len, scaling=scaling)
+
+
 @register_policy("kvzip")
 class KVzipPolicy(KVPolicy):
     needs = frozenset({"reconstruction"})
-    second_pass = True
+    second_pass = KVzipReconstruction()
     allocation = "global"
     # Under --tp-size > 1 every rank queues the same reconstruction passes at the same point (the ranks
     # release the same parent in lockstep), so their schedulers stay identical (with allocation 'flat').

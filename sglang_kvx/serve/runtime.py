@@ -1,11 +1,11 @@
-"""The extension inside one SGLang scheduler: admission, recording, compaction and KVzip's passes, wired.
+"""The extension inside one SGLang scheduler: admission, recording, compaction and second passes, wired.
 
 The adapter (``sglang_kvx.adapter``) calls these few methods from SGLang's scheduler with views of
 its objects; each concern lives in its own module:
   admission   serve/admission.py    parents, children, room, a child's prefix and positions
   recording   signals/recorder.py   what a policy reads from inside the prefill
   compaction  compact/compactor.py  read -> score -> allocate -> select -> fold -> gather -> store
-  KVzip       compact/second_pass.py  internal reconstruction requests, then the compactor
+  second pass compact/second_pass.py  a policy's further forwards over its context (KVzip's), then the compactor
 Any exception in the extension's own work on one request or context is contained to it: the
 context stays uncompacted with the reason in ``/kvx/stats``, and the scheduler goes on.
 """
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sglang_kvx.compact.compactor import Compactor, NothingFreed
-from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, KVzipSecondPass
+from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, SecondPassRunner
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
@@ -75,7 +75,7 @@ class Runtime:
         self.num_kv_heads_total = num_kv_heads_total or pool.num_kv_heads
         self.shared = SharedPrefixes(config.auto_context_min_tokens)
         self.auto_contexts = 0  # parents queued for shared beginnings
-        self.kvzip = KVzipSecondPass(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
+        self.second_pass = SecondPassRunner(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
         # has the recorder recompute them from each GDN layer's inputs.
@@ -117,7 +117,7 @@ class Runtime:
     def _plan_round(self, request: Request) -> str | None:
         if request.rid.startswith(AUTO_RID_PREFIX) and request.state is None:
             request.hide_from_client()  # a parent the server queued itself: no client waits for it
-        child = self.admission.before_round(request, internal_context=self.kvzip.context_of_pass(request.rid))
+        child = self.admission.before_round(request, internal_context=self.second_pass.context_of_pass(request.rid))
         state = request.state
         if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
                 and not request.finished and state.decode.step_class.reads_hidden):
@@ -168,9 +168,9 @@ class Runtime:
         return max(0, min(requested, max_request_len - len(request.input_ids) - 1))
 
     def _parent_problem(self, settings: CompactionSettings, n: int) -> str | None:
-        """Why a parent cannot be compacted under ``settings`` beyond what admission checks (KVzip's pass length)."""
+        """Why a parent cannot be compacted under ``settings`` beyond what admission checks (a second pass's length)."""
         if get_policy(settings.policy).second_pass:
-            return self.kvzip.check_fits(n, settings.protected_prefix_len)
+            return self.second_pass.check_fits(settings, n)
         return None
 
     def after_alloc(self, requests: Sequence[Request]) -> None:
@@ -219,8 +219,8 @@ class Runtime:
                 request.keep_out_of_tree()
                 request.owned_from = owned_len
         if state.context is not None:
-            if state.internal and request.rid in self.kvzip.jobs:
-                self._contained(lambda: self.kvzip.finish_pass(request), request)
+            if state.internal and request.rid in self.second_pass.jobs:
+                self._contained(lambda: self.second_pass.finish_pass(request), request)
             self.admission.release_child(request)
             return
         if not (request.finished and state.parent and request.holds_kv):
@@ -250,11 +250,11 @@ class Runtime:
             state.outcome = {"compacted": True, "already_stored": True, **_summary(stored)}
             return
         if get_policy(settings.policy).second_pass:
-            if not self.kvzip.start(request, settings, state.fields.tenant):
+            if not self.second_pass.start(request, settings, state.fields.tenant):
                 self.skipped_no_room += 1
-                state.outcome = {"compacted": False, "reason": "no room in the pool to hold the context for KVzip's passes"}
+                state.outcome = {"compacted": False, "reason": f"no room in the pool to hold the context for {settings.policy}'s passes"}
             else:
-                state.outcome = {"compacted": False, "pending": "KVzip's reconstruction passes run first; see /kvx/stats"}
+                state.outcome = {"compacted": False, "pending": f"{settings.policy}'s passes run first; see /kvx/stats"}
             return
         recording = self.recorder.take(request.row)
         n = len(request.input_ids)
@@ -329,13 +329,13 @@ class Runtime:
     # --- store lifetime ----------------------------------------------------------------
 
     def held_slots(self) -> int:
-        """Pool slots held outside SGLang's tree and requests: the store's and KVzip's held contexts."""
-        return self.store.slots_held() + self.kvzip.held_slots()
+        """Pool slots held outside SGLang's tree and requests: the store's and the second passes' held contexts."""
+        return self.store.slots_held() + self.second_pass.held_slots()
 
     def forget_all(self) -> None:
         """After SGLang flushed its pools (every slot is free again), drop every reference to them."""
         self.admission.forget_all()
-        self.kvzip.forget_all()
+        self.second_pass.forget_all()
         self.decode.forget_all()
         self.recorder.clear()
 
@@ -353,7 +353,7 @@ class Runtime:
             "contexts_evicted": self.admission.evicted,
             "evictions_deferred_to_waiting": self.admission.deferred,
             "evictions_refused_reserved": self.admission.refused,
-            "kvzip_passes_pending": len(self.kvzip.jobs),
+            "second_passes_pending": len(self.second_pass.jobs),
             "decode_rows": len(self.decode.rows),
             "decode_slots_freed": self.decode.freed_slots,
             "decode_reruns": self.decode.rerun_count,  # rows re-run
