@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from sglang_kvx.allocate import allocation_reads_scores, allocation_names, allocation_needs, allocation_tp_problem
+from sglang_kvx.allocate import allocation_reads_scores, allocation_needs, allocation_tp_problem
 from sglang_kvx.decode import DECODE_STEPS, DecodeSettings
 from sglang_kvx.policies import get_policy, servable_policy_names
 from sglang_kvx.schema import FIELD_PREFIX, FIELD_SETTINGS, MAX_NAME_LENGTH, _short

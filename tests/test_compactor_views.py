@@ -105,8 +105,8 @@ def test_admission_evicts_the_least_recently_used_idle_context_for_room():
         store.add(context)
         contexts.append(context)
     contexts[0].active_children = 1  # in use: never evicted
-    admission.make_room(6)
-    assert admission.evicted == 2 and pool.room() == 10  # oldest idle first, until it fits
+    admission.eviction.make_room(6)
+    assert admission.eviction.evicted == 2 and pool.room() == 10  # oldest idle first, until it fits
     assert list(store.contexts.values()) == [contexts[0]]
 
 
@@ -130,13 +130,13 @@ def test_the_reserved_share_of_the_store_is_never_evicted():
     store = ContextStore()
     admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.4), num_rows=4)
     old, middle, recent = _store_with(pool, store, [5, 5, 5])  # 0.4 x 17 = 6 slots reserved: the most recent context
-    admission.make_room(11)
-    assert list(store.contexts.values()) == [recent] and admission.evicted == 2
+    admission.eviction.make_room(11)
+    assert list(store.contexts.values()) == [recent] and admission.eviction.evicted == 2
     # Only the reserved context is left: it stays, and the request is refused -- it could never be admitted.
-    problem = admission.make_room(16)
-    assert list(store.contexts.values()) == [recent] and admission.refused == 1
+    problem = admission.eviction.make_room(16)
+    assert list(store.contexts.values()) == [recent] and admission.eviction.refused == 1
     assert problem is not None and "needs 16 KV slots" in problem and "5 hold other tenants' compacted contexts" in problem
-    assert admission.make_room(11) is None  # what fits beside the reserve is admitted
+    assert admission.eviction.make_room(11) is None  # what fits beside the reserve is admitted
 
 
 def test_a_request_waits_only_for_what_will_end_and_is_refused_otherwise():
@@ -150,12 +150,12 @@ def test_a_request_waits_only_for_what_will_end_and_is_refused_otherwise():
     old.active_children = 1
     running = pool.alloc(3)
     assert pool.room() == 4
-    assert admission.make_room(11) is None and len(store) == 2  # 4 free + 3 running + 4 in use: it waits
-    problem = admission.make_room(13)  # 13 > 17 - 5 reserved (the pool counts its padding slot): never
+    assert admission.eviction.make_room(11) is None and len(store) == 2  # 4 free + 3 running + 4 in use: it waits
+    problem = admission.eviction.make_room(13)  # 13 > 17 - 5 reserved (the pool counts its padding slot): never
     assert problem is not None and "needs 13 KV slots" in problem and len(store) == 2
     # The reserved context's own tenant may evict it: nothing is out of reach then.
     recent.tenant = "t"
-    assert admission.make_room(13, tenant="t") is None
+    assert admission.eviction.make_room(13, tenant="t") is None
     pool.free(running)
 
 
@@ -166,10 +166,10 @@ def test_a_request_that_fits_once_running_requests_finish_waits_instead_of_evict
     _store_with(pool, store, [5, 5])
     running = pool.alloc(5)  # a running request's KV
     assert pool.room() == 1
-    admission.make_room(6)  # 1 free + 5 back when the running request ends: it waits
-    assert len(store) == 2 and admission.deferred == 1 and admission.evicted == 0
-    admission.make_room(8)  # more than that: only eviction can make the room (two 5-slot contexts)
-    assert len(store) == 0 and admission.evicted == 2
+    admission.eviction.make_room(6)  # 1 free + 5 back when the running request ends: it waits
+    assert len(store) == 2 and admission.eviction.deferred == 1 and admission.eviction.evicted == 0
+    admission.eviction.make_room(8)  # more than that: only eviction can make the room (two 5-slot contexts)
+    assert len(store) == 0 and admission.eviction.evicted == 2
     pool.free(running)
 
 
@@ -179,15 +179,15 @@ def test_one_tenants_parents_cannot_evict_another_tenants_share_of_the_reserve()
     admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5), num_rows=4)
     b_old, *a_contexts = _store_with(pool, store, [5, 5, 5, 5, 5, 5], tenants=["b", "a", "a", "a", "a", "a"])
     # b holds 5 of its 10: its context, and a's three most recent (15 of the 15 left to a), are reserved.
-    assert admission.reserved_slots() == 20
-    admission.make_room(25, tenant="a")  # a's parents: what nobody reserves, then a's own, oldest first
+    assert admission.eviction.reserved_slots() == 20
+    admission.eviction.make_room(25, tenant="a")  # a's parents: what nobody reserves, then a's own, oldest first
     assert b_old in store.contexts.values()  # b's context is older than all of a's, and still there
-    assert len(store) == 3 and admission.evicted == 3 and pool.room() == 25
-    admission.make_room(36, tenant="a")  # only b's reserved context is left: refused
-    assert b_old in store.contexts.values() and admission.refused == 1
-    admission.make_room(37)  # nor can an untagged request take it
-    assert b_old in store.contexts.values() and admission.refused == 2
-    admission.make_room(37, tenant="b")  # b may evict its own
+    assert len(store) == 3 and admission.eviction.evicted == 3 and pool.room() == 25
+    admission.eviction.make_room(36, tenant="a")  # only b's reserved context is left: refused
+    assert b_old in store.contexts.values() and admission.eviction.refused == 1
+    admission.eviction.make_room(37)  # nor can an untagged request take it
+    assert b_old in store.contexts.values() and admission.eviction.refused == 2
+    admission.eviction.make_room(37, tenant="b")  # b may evict its own
     assert len(store) == 0
 
 
@@ -197,7 +197,7 @@ def test_a_share_a_tenant_leaves_unused_goes_to_the_others():
     admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5), num_rows=4)
     _store_with(pool, store, [2, 5, 5, 5, 5], tenants=["b", "a", "a", "a", "a"])
     # b holds 2 of its 10: a may keep 18 -> its three most recent contexts (15 slots).
-    assert admission.reserved_slots() == 17
+    assert admission.eviction.reserved_slots() == 17
 
 
 def test_inventing_tenant_names_cannot_dilute_a_seated_tenants_share():
@@ -211,16 +211,16 @@ def test_inventing_tenant_names_cannot_dilute_a_seated_tenants_share():
     admission = Admission(pool, store, defaults, num_rows=4)
     (victim,) = _store_with(pool, store, [100], tenants=["victim"])
     for i in range(100):  # each invented tenant's parent, made room for like any request
-        assert admission.make_room(10, tenant=f"t{i}") is None
+        assert admission.eviction.make_room(10, tenant=f"t{i}") is None
         (context,) = _store_with(pool, store, [10], tenants=[f"t{i}"], first=1000 + i)
         context.last_used = 1000.0 + i  # every one more recent than the victim's
     assert victim in store.contexts.values()
     # Four seats hold contexts (three tenants, and the shared one): a quarter of 600 each, the victim's 100 within it.
-    assert id(victim) in admission._reserved(None)
-    assert admission.tenant_reserve.seated == ["victim", "t0", "t1"]  # seated in the order their contexts came
+    assert id(victim) in admission.eviction._reserved(None)
+    assert admission.eviction.tenant_reserve.seated == ["victim", "t0", "t1"]  # seated in the order their contexts came
     for i in range(100, 200):  # the pool fills: the invented tenants' parents now evict, never the victim's
-        assert admission.make_room(50, tenant=f"t{i}") is None
+        assert admission.eviction.make_room(50, tenant=f"t{i}") is None
         _store_with(pool, store, [50], tenants=[f"t{i}"], first=2000 + i)[0].last_used = 2000.0 + i
-    assert victim in store.contexts.values() and admission.evicted > 0
-    admission.make_room(1100)  # an untagged request asking for nearly the whole pool: never the victim's context
+    assert victim in store.contexts.values() and admission.eviction.evicted > 0
+    admission.eviction.make_room(1100)  # an untagged request asking for nearly the whole pool: never the victim's context
     assert victim in store.contexts.values()

@@ -21,7 +21,7 @@ from sglang_kvx.decode import DecodeSettings
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
 from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
-from sglang_kvx.serve.tenant_reserve import TenantReserve
+from sglang_kvx.serve.eviction import StoreEviction
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -48,14 +48,10 @@ class Admission:
                  parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None,
                  held_slots: Callable[[], int] | None = None) -> None:
         self.pool = pool
-        self.held_slots = held_slots or store.slots_held  # slots held outside requests and the prefix cache
-        self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
-        self.refused = 0  # times the rest of the store was reserved or in use: no eviction
+        self.eviction = StoreEviction(pool, store, defaults, held_slots or store.slots_held)
         self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
         self.store = store
         self.defaults = defaults
-        self.evicted = 0
-        self.tenant_reserve = TenantReserve(defaults.reserved_tenants)  # whose contexts the store's reserve keeps
         self.row_context: dict[int, CompactedContext] = {}  # request row -> the compacted prefix it reads
         # True-position offset of each request row's tokens (n - S for a child, else 0).
         self.position_offset = torch.zeros(num_rows, dtype=torch.int64, device=pool.device)
@@ -109,7 +105,7 @@ class Admission:
         # SGLang clips it when admitting (a huge max_new_tokens reserves no more than that).
         wanted = len(request.input_ids) + min(request.max_new_tokens or 0, self.defaults.growth_estimate_cap)
         if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
-            self.make_room(len(request.input_ids) - internal_context.n, keep=internal_context,
+            self.eviction.make_room(len(request.input_ids) - internal_context.n, keep=internal_context,
                            tenant=internal_context.tenant)
             request.keep_out_of_tree()
             request.hide_from_client()
@@ -118,7 +114,7 @@ class Admission:
             return True
         tenant = state.fields.tenant
         if state.parent:
-            if self._no_room_ever(request, self.make_room(wanted, tenant=tenant)):
+            if self._no_room_ever(request, self.eviction.make_room(wanted, tenant=tenant)):
                 return False
             self._check_parent(request, state)
             return False
@@ -140,7 +136,7 @@ class Admission:
                                        f"({context.n} tokens): served with the full cache"}
             context = None
         if context is None:
-            self._no_room_ever(request, self.make_room(wanted, tenant=tenant))
+            self._no_room_ever(request, self.eviction.make_room(wanted, tenant=tenant))
             return False
         if state.decode is not None and context.layout.per_head:
             if state.fields.decode is not None:
@@ -156,7 +152,7 @@ class Admission:
                 return False
             state.decode = None  # the server's evicting default is not applied to children: full attention
         # Room for the child's own tokens, never by evicting the context it is about to read.
-        if self._no_room_ever(request, self.make_room(wanted - context.n, keep=context, tenant=tenant)):
+        if self._no_room_ever(request, self.eviction.make_room(wanted - context.n, keep=context, tenant=tenant)):
             return False
         # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
         question = list(request.input_ids[context.n :])
@@ -183,67 +179,6 @@ class Admission:
         if problem is not None:
             request.abort(f"sglang_kvx: {problem}")
         return problem is not None
-
-    def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
-        """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
-        what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
-
-        Never for a request that fits once the running requests finish (SGLang queues it; it
-        retries, so this runs again), and never another tenant's contexts within its share of the
-        store's reserve (``--kvx-min-store-fraction``): a request may evict what no tenant reserves,
-        then its own tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the
-        former). Returns why the request can never be admitted (None: it fits now or will once
-        running requests and children end): what it may never evict is too much of the pool."""
-        room = self.pool.room()
-        if room >= tokens:
-            return None
-        running = self.pool.total - room - self.held_slots()  # held by requests now in flight
-        if running > 0 and room + running >= tokens:
-            self.deferred += 1
-            return None
-        reserved = self._reserved(keep)
-        while room < tokens:
-            idle = [c for c in self.store.contexts.values()
-                    if c.active_children == 0 and c is not keep
-                    and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
-            if not idle:
-                self.refused += 1  # what is left is reserved or in use
-                return self._never_fits(tokens, room, keep, reserved, tenant)
-            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
-            self.store.remove(victim)
-            self.pool.free(victim.slots)
-            self.evicted += 1
-            room = self.pool.room()
-            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
-
-    def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],
-                    tenant: str | None) -> str | None:
-        """Why ``tokens`` slots will never be free for this request (None: they will, once the running
-        requests end and the children in flight release their contexts)."""
-        running = self.pool.total - room - self.held_slots()
-        mine = {id(c) for c in self.store.contexts.values()
-                if c is not keep and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))}
-        if room + running + sum(c.num_slots for c in self.store.contexts.values() if id(c) in mine) >= tokens:
-            return None  # SGLang queues it until then
-        others = sum(c.num_slots for c in self.store.contexts.values() if c is not keep and id(c) not in mine)
-        held = f"{others} hold other tenants' compacted contexts within the store's reserve (--kvx-min-store-fraction)"
-        if keep is not None:
-            held += f" and {keep.num_slots} the context it reads"
-        return (f"the request needs {tokens} KV slots (its prompt and its max_new_tokens, counted up to "
-                f"{self.defaults.growth_estimate_cap} as SGLang counts them), more than this server can free for it: of the pool's {self.pool.total} slots, {held}; "
-                f"ask for fewer max_new_tokens or send a shorter prompt")
-
-    def reserved_slots(self) -> int:
-        """Slots of the contexts no other tenant's request can evict now."""
-        reserved = self._reserved(None)
-        return sum(c.num_slots for c in self.store.contexts.values() if id(c) in reserved)
-
-    def _reserved(self, keep: CompactedContext | None) -> set[int]:
-        """ids of the contexts within their tenant's share of the store's reserve (``serve/tenant_reserve.py``)."""
-        contexts = list(self.store.contexts.values())
-        self.tenant_reserve.update(contexts)
-        return self.tenant_reserve.reserved([c for c in contexts if c is not keep],
-                                            int(self.defaults.min_store_fraction * self.pool.total))
 
     def _check_parent(self, request: Request, state: RequestState) -> None:
         if state.checked:

@@ -1,0 +1,88 @@
+"""Making room in the pool for a waiting request: which idle compacted contexts go, which the store's
+reserve keeps (``--kvx-min-store-fraction``, shared over tenants by ``serve/tenant_reserve.py``), and
+when a request can never fit (refused at once instead of queued for good)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from sglang_kvx.ports import KVPool
+from sglang_kvx.serve.tenant_reserve import TenantReserve
+from sglang_kvx.settings import ServerDefaults
+from sglang_kvx.store import CompactedContext, ContextStore
+
+logger = logging.getLogger(__name__)
+
+
+class StoreEviction:
+    def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, held_slots: Callable[[], int]) -> None:
+        self.pool = pool
+        self.store = store
+        self.defaults = defaults
+        self.held_slots = held_slots  # slots held outside requests and the prefix cache
+        self.tenant_reserve = TenantReserve(defaults.reserved_tenants)  # whose contexts the store's reserve keeps
+        self.evicted = 0
+        self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
+        self.refused = 0  # times the rest of the store was reserved or in use: no eviction
+
+    def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
+        """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
+        what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
+
+        Never for a request that fits once the running requests finish (SGLang queues it; it
+        retries, so this runs again), and never another tenant's contexts within its share of the
+        store's reserve (``--kvx-min-store-fraction``): a request may evict what no tenant reserves,
+        then its own tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the
+        former). Returns why the request can never be admitted (None: it fits now or will once
+        running requests and children end): what it may never evict is too much of the pool."""
+        room = self.pool.room()
+        if room >= tokens:
+            return None
+        running = self.pool.total - room - self.held_slots()  # held by requests now in flight
+        if running > 0 and room + running >= tokens:
+            self.deferred += 1
+            return None
+        reserved = self._reserved(keep)
+        while room < tokens:
+            idle = [c for c in self.store.contexts.values()
+                    if c.active_children == 0 and c is not keep
+                    and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
+            if not idle:
+                self.refused += 1  # what is left is reserved or in use
+                return self._never_fits(tokens, room, keep, reserved, tenant)
+            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
+            self.store.remove(victim)
+            self.pool.free(victim.slots)
+            self.evicted += 1
+            room = self.pool.room()
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],
+                    tenant: str | None) -> str | None:
+        """Why ``tokens`` slots will never be free for this request (None: they will, once the running
+        requests end and the children in flight release their contexts)."""
+        running = self.pool.total - room - self.held_slots()
+        mine = {id(c) for c in self.store.contexts.values()
+                if c is not keep and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))}
+        if room + running + sum(c.num_slots for c in self.store.contexts.values() if id(c) in mine) >= tokens:
+            return None  # SGLang queues it until then
+        others = sum(c.num_slots for c in self.store.contexts.values() if c is not keep and id(c) not in mine)
+        held = f"{others} hold other tenants' compacted contexts within the store's reserve (--kvx-min-store-fraction)"
+        if keep is not None:
+            held += f" and {keep.num_slots} the context it reads"
+        return (f"the request needs {tokens} KV slots (its prompt and its max_new_tokens, counted up to "
+                f"{self.defaults.growth_estimate_cap} as SGLang counts them), more than this server can free for it: of the pool's {self.pool.total} slots, {held}; "
+                f"ask for fewer max_new_tokens or send a shorter prompt")
+
+    def reserved_slots(self) -> int:
+        """Slots of the contexts no other tenant's request can evict now."""
+        reserved = self._reserved(None)
+        return sum(c.num_slots for c in self.store.contexts.values() if id(c) in reserved)
+
+    def _reserved(self, keep: CompactedContext | None) -> set[int]:
+        """ids of the contexts within their tenant's share of the store's reserve (``serve/tenant_reserve.py``)."""
+        contexts = list(self.store.contexts.values())
+        self.tenant_reserve.update(contexts)
+        return self.tenant_reserve.reserved([c for c in contexts if c is not keep],
+                                            int(self.defaults.min_store_fraction * self.pool.total))
