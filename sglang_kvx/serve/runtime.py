@@ -25,6 +25,7 @@ from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request, TensorParallel
 from sglang_kvx.serve.admission import Admission, RequestState
+from sglang_kvx.serve.report import runtime_counts, runtime_stats
 from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.serve.shared_prefixes import SharedPrefixes
 from sglang_kvx.serve.sparse_index import SparseIndex
@@ -340,55 +341,9 @@ class Runtime:
         self.recorder.clear()
 
     def counts(self) -> dict[str, Any]:
-        """The runtime's figures (numbers only: cheap enough for every scrape)."""
-        return {
-            "store_slots": self.store.slots_held(),
-            "compactions_done": self.store.added,
-            "bytes_freed": self.store.entries_freed * self.pool.bytes_per_entry * self.pool.num_layers,
-            "store_reserved_slots": self.admission.eviction.reserved_slots(),
-            "compactions_skipped_no_room": self.skipped_no_room,
-            "compactions_skipped_empty": self.degenerate,
-            "compactions_skipped_keeps_all": self.skipped_keeps_all,
-            "compactions_failed": self.failures,
-            "contexts_evicted": self.admission.eviction.evicted,
-            "evictions_deferred_to_waiting": self.admission.eviction.deferred,
-            "evictions_refused_reserved": self.admission.eviction.refused,
-            "second_passes_pending": len(self.second_pass.jobs),
-            "decode_rows": len(self.decode.rows),
-            "decode_slots_freed": self.decode.freed_slots,
-            "decode_reruns": self.decode.rerun_count,  # rows re-run
-            "decode_rerun_forwards": self.decode.rerun_forwards,
-            "decode_partial_reruns": self.decode.partial_reruns,  # forwards re-running only some rows of a batch
-            "decode_step_failures": self.decode.failures,
-            # Each decode step's own figures (its ``totals``: ODA's routing, learned-gate deletions, per-head evictions).
-            **{name: value for name, value in self.decode.totals.items() if isinstance(value, (int, float))},
-            "sparse_index_blocks_built": self.sparse_index.blocks_built,  # compressed keys built (not reused)
-            "shared_prefixes_seen": self.shared.seen,  # plain requests repeating an unmarked long beginning
-            "auto_contexts_queued": self.auto_contexts,
-        }
-
-    def _with_sparse_index(self, summary: dict[str, Any], context) -> dict[str, Any]:
-        """Under --kvx-sparse-attention: the indexer's blocks per attention layer and KV head for the
-        whole context and for what each layer kept, regrouped into new blocks (QSA)."""
-        if not self.config.sparse_budget:
-            return summary
-        from sglang_kvx.ops.block_sparse import BLOCK
-
-        n = len(context.context_ids)
-        return {**summary, "sparse_index_blocks": {"full_context": -(-n // BLOCK),
-                                                   "regrouped_per_layer": [-(-k // BLOCK) for k in context.kept_per_layer]}}
+        """The runtime's figures (numbers only: cheap enough for every scrape; ``serve/report.py``)."""
+        return runtime_counts(self)
 
     def stats(self) -> dict[str, Any]:
-        contexts = list(self.store.contexts.values())
-        return {
-            "compacted_contexts": [self._with_sparse_index(c.summary(), c) for c in contexts],
-            **self.counts(),
-            "last_compaction_error": self.errors[-1] if self.errors else None,
-            # Running requests by their decode step's report (ODA's routing, learned-gate deletions, per-head live entries).
-            **self.decode.reports(),
-            # Each decode step's per-layer figures (learned-gate eviction: entries deleted after the prefill and during decode).
-            **{name: value for name, value in self.decode.totals.items() if not isinstance(value, (int, float))},
-            "last_decode_step_error": self.decode.last_error,
-            # Served by /kvx/keep_sets only (large): what each context keeps, per layer and KV head.
-            "keep_sets": [{**c.summary(), "positions": c.keep_positions_lists} for c in contexts],
-        }
+        """``/kvx/stats``: the figures, the stored contexts and the running decode steps' reports."""
+        return runtime_stats(self)
