@@ -126,3 +126,21 @@ def test_bad_budgets_fail_before_the_model_loads(launch_parser, demo_paths, valu
     result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--kvx-sparse-attention", *value.split())
     assert result.returncode == 2, result.stderr[-2000:]
     assert our_error_lines(result.stderr) == [f"sglang-kvx: error: {expected}"]
+
+
+@pytest.mark.slow
+def test_tokens_do_not_depend_on_what_else_runs(sparse_server) -> None:
+    """Determinism under block-sparse attention (issue #41): a request's tokens and log-probabilities
+    are the same sent alone and sent with three others of other lengths in one concurrent mix (the
+    index and the block selection are per row: no state shared over a batch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name, server, reference = sparse_server
+    prompts = [[random.Random(40 + i).randrange(10, 500) for _ in range(PROMPT_LEN - 30 * i)] for i in range(4)]
+    alone = [generate(server, p)[:2] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: generate(server, p)[:2], prompts))
+    for (tokens, logprobs), (again, again_logprobs) in zip(alone, together):
+        assert again == tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, again_logprobs)) < 1e-4
+    assert alone[0][0] == sparse_greedy(reference, prompts[0], NEW_TOKENS, BUDGET)[0]
