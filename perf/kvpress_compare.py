@@ -24,9 +24,10 @@ template, is left out). Each side's children are checked to have read a compacte
 
 Policies both implement (press defaults, ``compression_ratio = 1 - p``), with the differences the
 policy docstrings state (``sglang_kvx/policies/*.py``): kvpress keeps ``int((1 - ratio) * n)`` entries
-per head where the server keeps ``round(p * n)`` (one entry fewer at some p); KVzipPress keeps one
-threshold over every layer and KV head (4 sinks, chunks of 2048) where the server keeps the same count
-per layer and KV head; ObservedAttentionPress (kvpress's H2O) scores mean attention per query and has
+per head where the server keeps ``round(p * n)`` (one entry fewer at some p); KVzipPress and the
+server's ``kvzip`` both keep one threshold over every layer and KV head with 4 sinks (allocation
+``global``), kvpress reconstructing in chunks of 2048 tokens and the server in chunks of 2000;
+ObservedAttentionPress (kvpress's H2O) scores mean attention per query and has
 no recent window, the server's ``h2o`` ranks raw sums with half its budget a recent window;
 PyramidKVPress counts every layer of the model; RandomPress is given ``seed=0`` (default: unseeded)
 and draws other numbers than the server. No kvpress press is TriAttention or GateSight.

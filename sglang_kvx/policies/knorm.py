@@ -4,10 +4,10 @@ Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compr
 (EMNLP 2024, arXiv:2406.11430): a low key norm goes with high attention, so the score is
 -||k||_2, needing neither queries nor attention weights.
 
-Against kvpress's KnormPress (same score, -keys.norm): the norm is taken in float32, kvpress's in
-the model's dtype, so bf16 ties can break differently; and the count kept is round(p * m) beyond
-the protected prefix, where kvpress keeps int(p * n) (truncated) of the whole context. Otherwise
-the keep sets are kvpress's.
+Against kvpress's KnormPress (same score, -keys.norm, taken in float32 by both since kvpress 0.5.5;
+earlier kvpress releases took it in the model's dtype, where bf16 ties could break differently): the
+count kept is round(p * m) beyond the protected prefix, where kvpress keeps int(p * n) (truncated)
+of the whole context. Otherwise the keep sets are kvpress's.
 """
 
 from __future__ import annotations
