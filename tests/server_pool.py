@@ -83,8 +83,10 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
                     max_total_tokens=MAX_TOTAL_TOKENS)
     if kind == "sparse":  # block-sparse attention for every request
         return spec(path, "--kvx-sparse-attention", str(SPARSE_BUDGET), max_total_tokens=4096)
-    if kind == "gated_cell":  # a learned-gate family cell, per-request decode steps, float32
-        return spec(path, "--dtype", "float32", "--kvx-decode-steps", "on", max_total_tokens=4096)
+    if kind == "gated_cell":  # a learned-gate family cell, per-request decode steps (and the throwaway
+        # one-file step of tests/throwaway_decode.py), float32
+        return spec(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--kvx-policy-modules", "throwaway_decode",
+                    max_total_tokens=4096, env=env)
     raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
 
 

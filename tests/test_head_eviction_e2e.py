@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sglang_kvx.models.gated import KvxGatedForCausalLM, register
 from sglang_kvx.reference.gated import h2o_rule, keydiff_rule, window_rule
@@ -87,6 +88,66 @@ def test_window_steps_match_the_oracle(dense_server) -> None:
     assert logprobs.argmax(-1).tolist() == output
     want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
     assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
+
+
+def novelty_rule(budget: int, prefill_len: int):
+    """The oracle of ``tests/throwaway_decode.py``'s step, written out independently: each head keeps
+    the ``budget`` prefill keys least like (cosine) the last prefill key, that one included, and once a
+    step takes it past the budget evicts its kept key most like the key just written (never that one)."""
+
+    def keep(q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        b, h, t, _ = k.shape
+        out = torch.ones((b, h, t, t), dtype=torch.bool, device=k.device)
+        for batch in range(b):
+            keys = k[batch].float()  # [H, T, D]
+            kept = torch.zeros((h, t), dtype=torch.bool, device=k.device)
+            if budget >= prefill_len:
+                kept[:, :prefill_len] = True
+            else:
+                last = prefill_len - 1
+                similarity = F.cosine_similarity(keys[:, :prefill_len], keys[:, last : last + 1], dim=-1)
+                similarity[:, last] = float("-inf")
+                kept.scatter_(1, similarity.topk(budget, dim=-1, largest=False).indices, True)
+            for i in range(prefill_len, t):
+                visible = kept.clone()
+                visible[:, i] = True
+                out[batch, :, i] = visible
+                kept[:, i] = True
+                if int(kept[0].sum()) > budget:
+                    similarity = F.cosine_similarity(keys[:, : i + 1], keys[:, i : i + 1], dim=-1)
+                    candidates = kept[:, : i + 1].clone()
+                    candidates[:, i] = False
+                    kept[torch.arange(h), similarity.masked_fill(~candidates, float("-inf")).argmax(dim=-1)] = False
+        return out
+
+    return keep
+
+
+def test_a_decode_step_from_outside_the_package_is_served_like_the_oracle(dense_server) -> None:
+    """Issue #40's proof: a decode step with a mechanism and counters of its own, one file outside the
+    package (``tests/throwaway_decode.py``, loaded with --kvx-policy-modules), served end to end
+    through the generic per-row state: tokens and log-probabilities equal the HF oracle applying the
+    same rule; its own report is in meta_info and its own figures in /kvx/stats."""
+    cell, server, model = dense_server
+    prompt = split_prompt(cell, PROMPT_LEN)
+    budget = 64
+    before = server.stats()
+    result = generate(server, prompt, {"step": "_throwaway_novelty", "budget": budget})
+    output = result["output_ids"]
+    served = torch.tensor([lp[0] for lp in result["meta_info"]["output_token_logprobs"]])
+    logprobs = oracle_logprobs(model, prompt, output, novelty_rule(budget, len(prompt)))
+    assert logprobs.argmax(-1).tolist() == output
+    want = logprobs[torch.arange(NEW_TOKENS), torch.tensor(output)]
+    assert torch.allclose(served, want, atol=1e-4), float((served - want).abs().max())
+    report = result["meta_info"]["kvx"][0]
+    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
+    cached = len(prompt) + NEW_TOKENS - 1
+    assert report["decode"] == "_throwaway_novelty" and -1 <= report["most_similar_evicted"] <= 1
+    assert report["evicted_entries"] == (cached - budget) * layers * heads
+    after = server.stats()
+    assert after["_throwaway_novelty_finished"] - before["_throwaway_novelty_finished"] == 1
+    assert after["_throwaway_novelty_evicted"] - before["_throwaway_novelty_evicted"] == (cached - budget) * layers * heads
+    assert after["_throwaway_novelty_requests"] == []
 
 
 def test_eviction_changes_what_is_generated(dense_server) -> None:
