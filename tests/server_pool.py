@@ -128,6 +128,7 @@ class ServerPool:
             self._drop(server_spec)  # died after the last test checked it: start afresh
             self.restarts += 1
             server = None
+        self.used.add(server_spec)  # before starting: a test whose server failed to start did use one
         if server is None:
             # Room: stop the least recently used server, a cold one before a hot one, never one the
             # running test holds (with none left to stop, the pool runs one over its size).
@@ -146,21 +147,16 @@ class ServerPool:
         return server
 
     def _start(self, server_spec: ServerSpec) -> ServerProcess:
-        """Start one server; once more on another port if another process took the free port first
-        (pytest-xdist workers pick ports at the same time)."""
-        for attempt in range(2):
-            server = ServerProcess(server_spec.model_path, *server_spec.args,
-                                   max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
-                                   log_path=self.log_dir / f"pooled-{len(self.starts):02d}-{attempt}.log")
-            self.starting = True
-            try:
-                return server.start()
-            except RuntimeError:
-                if attempt or "address already in use" not in server.log_tail(200).lower():
-                    raise
-            finally:
-                self.starting = False
-        raise AssertionError("unreachable")
+        """Start one server (``ServerProcess.start`` picks another port when another process took
+        the free one first: pytest-xdist workers pick ports at the same time)."""
+        server = ServerProcess(server_spec.model_path, *server_spec.args,
+                               max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
+                               log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")
+        self.starting = True
+        try:
+            return server.start()
+        finally:
+            self.starting = False
 
     def reset_used(self) -> list[str]:
         """Flush every server the finished test used and check it whole; what went wrong, per server."""

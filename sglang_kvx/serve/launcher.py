@@ -22,6 +22,10 @@ from pathlib import Path
 import requests
 
 
+class PortTaken(RuntimeError):
+    """The server's HTTP port was bound by another process before the server bound it."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -111,6 +115,7 @@ class ServerProcess(ServerClient):
     ) -> None:
         self.model_path = str(model_path)
         self.port = port or free_port()
+        self.port_chosen = port is None  # ours to change when another process takes it first
         self.args = list(args)
         if "--max-total-tokens" not in self.args:
             self.args += ["--max-total-tokens", str(max_total_tokens)]
@@ -137,6 +142,19 @@ class ServerProcess(ServerClient):
         ]
 
     def start(self) -> "ServerProcess":
+        """Start the server and wait until it answers ``/health_generate``. A port picked here that
+        another process takes between the pick and uvicorn's bind (pytest-xdist workers, SGLang's own
+        NCCL / ZMQ ports) is picked again, up to three times; a port given by the caller is not."""
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except PortTaken:
+                if not self.port_chosen or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "ServerProcess":
         t0 = time.perf_counter()
         self._log = open(self.log_path, "w")
         # Own process group: stopping the server stops its scheduler and detokenizer too.
@@ -146,16 +164,30 @@ class ServerProcess(ServerClient):
         deadline = t0 + self.startup_timeout
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
+                if self._port_taken():
+                    self.stop()
+                    raise PortTaken(f"port {self.port} taken by another process")
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     self.startup_seconds = time.perf_counter() - t0
                     return self
             except requests.RequestException:
-                pass
+                # uvicorn that failed to bind does not exit: it waits on the scheduler forever.
+                if self._port_taken():
+                    self.stop()
+                    raise PortTaken(f"port {self.port} taken by another process")
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"SGLang server not ready after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 65536))
+                return b"error while attempting to bind on address" in log.read()
+        except OSError:
+            return False
 
     def terminate(self) -> None:
         """Ask the server's processes to exit (SIGTERM) without waiting: stopping several servers, send
