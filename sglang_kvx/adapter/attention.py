@@ -248,41 +248,48 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
     q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
     kv_heads = k_cache.shape[1]
     per_head = any(cells.head_own is not None for cells in masked.values())
-    hidden = torch.zeros((2, batch, kv_heads) if per_head else (2, batch), dtype=torch.long)
+
+    def each_head(value: int) -> int | list[int]:
+        return [value] * kv_heads if per_head else value
+
+    # Hidden ranges [lo, hi) per row (per row and KV head under per-head budgets), built on the host
+    # and copied to the device once: per-element tensor writes cost more than the attention here.
+    lo, hi = [each_head(0)] * batch, [each_head(0)] * batch
     head_counts = torch.zeros((batch, kv_heads), dtype=torch.long) if per_head else None
     extra_k, extra_v, extra_counts = [], [], [0] * batch
     for i, cells in masked.items():
         if cells.head_own is not None:  # per-head budgets: each KV head hides its own range and borrows its own cells
-            hidden[0, i], hidden[1, i] = torch.tensor(cells.head_own), cells.num_slots
+            lo[i], hi[i] = list(cells.head_own), each_head(cells.num_slots)
             keys, values, counts = _borrowed_per_head(pool, cells.head_borrowed, k_cache, v_cache)
             extra_k.append(keys)
             extra_v.append(values)
             extra_counts[i], head_counts[i] = keys.shape[0], counts
             continue
-        hidden[0, i], hidden[1, i] = cells.own, cells.num_slots  # ranks this layer does not keep here
+        lo[i], hi[i] = each_head(cells.own), each_head(cells.num_slots)  # ranks this layer does not keep here
         for layer_id, at in cells.borrowed:  # its further ranks, in other layers' buffers
             extra_k.append(pool.get_key_buffer(layer_id)[at])
             extra_v.append(pool.get_value_buffer(layer_id)[at])
             extra_counts[i] += at.numel()
         if per_head:
             head_counts[i] = extra_counts[i]
-    hidden_cpu, hidden = hidden, hidden.to(rows.device)
     k_scale = 1.0 if layer.k_scale is None else float(layer.k_scale)
     v_scale = 1.0 if layer.v_scale is None else float(layer.v_scale)
     if decode and not extra_k and not per_head:
         # One hidden interval [a, b) per row and one query: sinks a plus a window of seq_len - b
         # (a row hiding nothing reads all: window 0) -- the kernel layer's windowed decode op.
-        seq_lens = forward_batch.seq_lens
-        window = torch.where(hidden[1] > hidden[0], seq_lens - hidden[1], torch.zeros_like(seq_lens))
         link = link_of(backend)
-        view = link.batch(forward_batch)
+        view = link.batch(forward_batch)  # rows and seq_lens read on the host once per batch
+        window = [n - b if b > a else 0 for n, a, b in zip(view.seq_lens, lo, hi)]
+        sinks_and_window = torch.tensor([lo, window], dtype=torch.long, device=rows.device)
         # Layers hiding the same ranges read the same cells: FlashInfer plans once for all of them.
-        plan_key = (tuple(view.rows), tuple(view.seq_lens), tuple(hidden_cpu.flatten().tolist()))
+        plan_key = (tuple(view.rows), tuple(view.seq_lens), tuple(lo), tuple(hi))
         out = window_attention(q.reshape(-1, num_heads, head_dim), k_cache, v_cache,
-                               backend.req_to_token_pool.req_to_token, rows, seq_lens, hidden[0], window,
+                               backend.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens,
+                               sinks_and_window[0], sinks_and_window[1],
                                scaling=layer.scaling, k_scale=k_scale, v_scale=v_scale,
                                plans=link.kernel_plans, plan_key=plan_key)
         return out.reshape(-1, num_heads * layer.v_head_dim)
+    hidden = torch.tensor([lo, hi], dtype=torch.long, device=rows.device)
     extra_indptr = torch.tensor([0] + extra_counts).cumsum(0).to(rows.device)
     out = prefix_cells_attention(
         q.reshape(-1, num_heads, head_dim), k_cache, v_cache, backend.req_to_token_pool.req_to_token,
