@@ -37,7 +37,6 @@ class NoveltyRow(HeadRow):
 class NoveltyEviction(DecodeStep):
     options = ("budget",)
     needs: ClassVar[frozenset[str]] = frozenset({"decode_attention_weights"})
-    evicts_per_head = True
     row_state = NoveltyRow
 
     @classmethod

@@ -68,39 +68,37 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend, PerLayerLengths):
         rows = forward_batch.req_pool_indices
         batch = rows.numel()
         q_lens = torch.ones(batch, dtype=torch.long, device=rows.device) if decode else forward_batch.extend_seq_lens
-        tau = torch.zeros(batch, dtype=torch.float32)
-        if decode and gates is not None:
-            tau = self._thresholds(forward_batch)
         num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-        folded = self._folded(forward_batch, layer, gates is not None, decode)
         k_cache = pool.get_key_buffer(layer.layer_id)
-        per_head, runtime = {}, link.runtime if (link := link_of(self)) is not None else None
+        # What each row's decode step changes of what it reads here (generic: the runner's rows
+        # answer; this backend applies gate thresholds, folds, per-head masks and attention weights).
+        seen, runtime = {}, link.runtime if (link := link_of(self)) is not None else None
         if runtime is not None and runtime.decode:
-            batch = link.batch(forward_batch)
-            per_head = runtime.decode.per_head(batch.rows)
-        key_keep, weights = None, None
-        if per_head:
+            view = link.batch(forward_batch)
             index = runtime.compactor.layer_index[layer.layer_id]
             req_to_token = self.req_to_token_pool.req_to_token
 
             def keys_of(i: int, length: int) -> torch.Tensor:
-                return k_cache[req_to_token[batch.rows[i], :length].long()].transpose(0, 1)
+                return k_cache[req_to_token[view.rows[i], :length].long()].transpose(0, 1)
 
-            weights = {i: None for i, state in per_head.items() if state.step.reads_attention}
-            if decode:
-                key_keep = runtime.decode.head_masks(index, per_head, batch.seq_lens, keys_of)
+            seen = runtime.decode.visibility(index, view.rows, view.seq_lens, keys_of, decode)
+        tau = torch.zeros(batch, dtype=torch.float32)
+        if decode and gates is not None and seen:
+            tau = torch.tensor([seen[i].gate_threshold if i in seen else 0.0 for i in range(batch)], dtype=torch.float32)
+        folded = self._folded(forward_batch, layer, gates is not None, decode, seen)
+        masks = {i: visible.head_mask for i, visible in seen.items() if visible.head_mask is not None}
+        weights = {i: None for i, visible in seen.items() if visible.wants_attention}
         out = gated_attention(
             q.reshape(-1, num_heads, head_dim), k_cache, pool.get_value_buffer(layer.layer_id),
             gates, self.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens, q_lens,
-            forward_batch.positions, tau, kind, layer.scaling, folded=folded, key_keep=key_keep, weight_sums=weights,
+            forward_batch.positions, tau, kind, layer.scaling, folded=folded, key_keep=masks or None,
+            weight_sums=weights or None,
         )
-        if per_head and decode:
-            runtime.decode.head_after_step(index, per_head, batch.seq_lens, weights, keys_of)
-        elif per_head:
-            runtime.decode.head_prefill(index, per_head, weights)
+        if seen:
+            runtime.decode.after_attention(index, view.rows, view.seq_lens, seen, weights, keys_of, decode)
         return out.reshape(-1, num_heads * layer.v_head_dim)
 
-    def _folded(self, forward_batch, radix_layer, gated: bool, decode: bool) -> FoldedKeys | None:
+    def _folded(self, forward_batch, radix_layer, gated: bool, decode: bool, seen: dict) -> FoldedKeys | None:
         """The batch's rows that skip a stretch of their row: re-folded rows (learned-gate eviction),
         which read the fold's kept entries instead, and rows whose decode step reads a span (sinks
         and a window), which read nothing instead."""
@@ -115,7 +113,7 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend, PerLayerLengths):
             return None
         runtime = link.runtime
         batch = link.batch(forward_batch)
-        folds = [runtime.decode.fold(row) for row in batch.rows]
+        folds = [seen[i].fold if i in seen else None for i in range(len(batch.rows))]
         if not any(folds) and not spans:
             return None
         layer = runtime.compactor.layer_index[radix_layer.layer_id]
@@ -141,11 +139,3 @@ class KvxGatedAttnBackend(TorchNativeAttnBackend, PerLayerLengths):
         device = forward_batch.req_pool_indices.device
         return FoldedKeys(hidden[0].to(device), hidden[1].to(device), torch.cat(keys), torch.cat(values),
                           torch.cat(gates) if gated else None, torch.tensor(counts, device=device))
-
-    def _thresholds(self, forward_batch) -> torch.Tensor:
-        """Each decode row's tau (0: keeps all)."""
-        link = link_of(self)
-        if link is None or not link.runtime.decode:
-            return torch.zeros(forward_batch.req_pool_indices.numel(), dtype=torch.float32)
-        taus = link.runtime.decode.gate_thresholds(link.batch(forward_batch).rows)
-        return torch.tensor([tau or 0.0 for tau in taus], dtype=torch.float32)

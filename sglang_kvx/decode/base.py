@@ -21,7 +21,7 @@ sinks and a window). A step is one short class registered by name, like a policy
                             request may generate past the pool's size
   gate_threshold()          learned-gate eviction: keys whose gate is below it are deleted (0: none)
   first_keep(keys, attention), victim(keys, keep, attention, position)
-                            per-head eviction (``evicts_per_head``: online H2O, KeyDiff): which prefill
+                            per-head eviction (row state ``HeadRow``: online H2O, KeyDiff): which prefill
                             entries each KV head keeps, and, once a step's write takes a head past
                             ``budget``, the entry it evicts; ``attention`` is what the head's queries
                             paid each entry so far (steps that ``read_attention``), else None
@@ -74,9 +74,7 @@ class DecodeStep:
     reads_hidden: ClassVar[bool] = False  # rerun_span gets the recall head's score of each first run
     drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
     needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
-    evicts_by_gate: ClassVar[bool] = False  # gate_threshold() deletes keys (learned-gate eviction)
-    evicts_per_head: ClassVar[bool] = False  # keeps ``budget`` entries per layer and KV head (first_keep / victim)
-    reads_attention: ClassVar[bool] = False  # ... scored by the attention its queries paid each entry
+    reads_attention: ClassVar[bool] = False  # per-head eviction scored by the attention its queries paid each entry
     model_hint: ClassVar[str] = ""  # what to serve when a model lacks what it ``needs``
     row_state: ClassVar[type[RowState]] = RowState  # its per-row state, counters and report (decode/row_state.py)
     budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step

@@ -28,7 +28,6 @@ class H2ODecode(DecodeStep):
     options = ("budget",)
     needs: ClassVar[frozenset[str]] = frozenset({"decode_attention_weights"})
     model_hint = "a dense cell of the learned-gate family: weights/gated/*-none"
-    evicts_per_head = True
     row_state = HeadRow
     totals = staticmethod(HeadRow.totals)
     reads_attention = True

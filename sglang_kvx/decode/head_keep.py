@@ -1,25 +1,22 @@
 """Per-head eviction during decode: the per-row state of the ``h2o`` and ``keydiff`` decode steps.
 
-A row whose step ``evicts_per_head`` holds, per attention layer, which entries each KV head keeps
-and (steps that ``read_attention``) the attention each entry was paid so far. The attention
-backend drives it, one layer at a time: in a prefill it hands over the weights its queries paid
-(``prefill_weights``); in a decode step it asks for each row's keep mask (``masks``: the kept
-entries plus the step's own), then hands over the step's weights (``after_step``): the step's entry
-joins, and a head over its budget evicts the entry the step names. Evicted entries leave attention
+A row whose step keeps per-head budgets (its row state is ``HeadRow``) holds, per attention layer,
+which entries each KV head keeps and (steps that ``reads_attention``) the attention each entry was
+paid so far. The attention backend asks every row for its ``visibility`` one layer at a time and
+hands back what ran (``after_attention``): in a prefill, the weights its queries paid; in a decode
+step, the row reads its keep mask (the kept entries plus the step's own), then the step's entry
+joins and a head over its budget evicts the entry the step names. Evicted entries leave attention
 at once; their slots stay (every head's key shares one slot) until the request ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from sglang_kvx.decode.base import DecodeStep
-from sglang_kvx.decode.row_state import RowState
-
-KeysOf = Callable[[int, int], torch.Tensor]  # (batch index, length) -> that row's first keys [H, length, D]
+from sglang_kvx.decode.row_state import KeysOf, RowState, Visibility
 
 
 def _grown(t: torch.Tensor | None, heads: int, length: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -52,7 +49,7 @@ class HeadKeep:
         self.attention[layer] = _grown(self.attention[layer], heads, length, torch.float32, weights.device)
         self.attention[layer][:, :length] += weights.float()
 
-    def mask(self, layer: int, seq_len: int, keys_of: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    def mask(self, layer: int, seq_len: int, keys_of: KeysOf) -> torch.Tensor:
         """What each head reads at a decode step with ``seq_len`` keys: its kept entries and the step's own."""
         if self.keep[layer] is None:  # the first decode step: the prefill's entries are cut to the budget
             keys = keys_of(seq_len - 1)
@@ -69,7 +66,7 @@ class HeadKeep:
         return mask
 
     def after_step(self, layer: int, seq_len: int, weights: torch.Tensor | None,
-                   keys_of: Callable[[int], torch.Tensor]) -> None:
+                   keys_of: KeysOf) -> None:
         """The step at position ``seq_len - 1`` ran: its weights count, its entry joins, a head over budget evicts."""
         if self.step.reads_attention:
             self.add_attention(layer, weights)
@@ -104,6 +101,18 @@ class HeadRow(RowState):
 
     def after_step(self, row: int, seq_len: int) -> None:
         self.kv_len = seq_len
+
+    def visibility(self, layer: int, seq_len: int, keys_of: KeysOf, decode: bool) -> Visibility:
+        """Decode: each head reads its kept entries and the step's own; a prefill reads all (and
+        pays attention the step may count)."""
+        return Visibility(head_mask=self.heads.mask(layer, seq_len, keys_of) if decode else None,
+                          wants_attention=self.step.reads_attention)
+
+    def after_attention(self, layer: int, seq_len: int, weights, keys_of: KeysOf, decode: bool) -> None:
+        if decode:
+            self.heads.after_step(layer, seq_len, weights, keys_of)
+        elif weights is not None:
+            self.heads.add_attention(layer, weights)
 
     def summary(self, row: int) -> dict:
         live = self.heads.live_per_layer(self.kv_len or len(self.request.input_ids))

@@ -14,6 +14,15 @@ instance of the step's ``row_state`` class, made when the request enters its row
   outcome(row)           the response's report when the request ends (default: ``summary``)
   release(row)           the request leaves: free what it holds, add its figures to the totals
 
+and, called by the attention backend one layer at a time (the backends name no step):
+
+  visibility(layer, seq_len, keys_of, decode)
+                         what the row reads in ``layer`` beyond its plain row and span: a
+                         ``Visibility`` (a learned-gate threshold, a re-folded stretch, a per-head
+                         key mask, whether it wants the layer's attention weights), or None
+  after_attention(layer, seq_len, weights, keys_of, decode)
+                         the layer ran: the attention its queries paid each key (when it asked)
+
 Server-wide figures go in ``facts.totals`` under names the step class declares
 (``DecodeStep.totals``), so the runtime and ``/kvx/stats`` list them without naming any step. A
 method raising here ends its own request only (the runner contains it).
@@ -22,7 +31,20 @@ method raising here ends its own request only (the runner contains it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
+
+KeysOf = Callable[[int], Any]  # n -> the row's first n cached keys in this layer, [Hkv, n, D]
+
+
+@dataclass
+class Visibility:
+    """What one row reads in one attention layer at this forward, beyond its plain row and its span
+    (each backend applies the parts its mechanism supports and refuses the rest)."""
+
+    gate_threshold: float = 0.0  # keys whose learned gate is below it are skipped (0: none)
+    fold: Any = None  # a re-folded stretch (``compact.gate_fold.FoldedRow``) read instead of its positions
+    head_mask: Any = None  # [Hkv, seq_len] bool: the keys each KV head reads (None: all)
+    wants_attention: bool = False  # the layer's attention weights go to ``after_attention``
 
 
 @dataclass
@@ -63,4 +85,10 @@ class RowState:
         return self.summary(row)
 
     def release(self, row: int) -> None:
+        pass
+
+    def visibility(self, layer: int, seq_len: int, keys_of: KeysOf, decode: bool) -> Visibility | None:
+        return None
+
+    def after_attention(self, layer: int, seq_len: int, weights: Any, keys_of: KeysOf, decode: bool) -> None:
         pass

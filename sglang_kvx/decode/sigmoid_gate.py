@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from sglang_kvx.compact.gate_fold import FoldedRow, fold_row
 from sglang_kvx.decode.base import DecodeStep, register_decode_step
-from sglang_kvx.decode.row_state import RowState
+from sglang_kvx.decode.row_state import RowState, Visibility
 
 
 class GateRow(RowState):
@@ -42,6 +42,10 @@ class GateRow(RowState):
         self.kv_len = seq_len
         self.steps += 1
         self._maybe_fold(row, seq_len)
+
+    def visibility(self, layer: int, seq_len: int, keys_of, decode: bool) -> Visibility | None:
+        """A decode query skips keys under the step's threshold and reads the fold for its stretch."""
+        return Visibility(gate_threshold=self.step.gate_threshold(), fold=self.fold) if decode else None
 
     def _maybe_fold(self, row: int, seq_len: int) -> None:
         facts, tau = self.facts, self.step.gate_threshold()
@@ -122,7 +126,6 @@ class GateRow(RowState):
 class SigmoidGateEviction(DecodeStep):
     real_options = ("tau",)
     needs: ClassVar[frozenset[str]] = frozenset({"learned_gates"})
-    evicts_by_gate = True
     model_hint = "a gated checkpoint: weights/gated/*-gate"
     row_state = GateRow
 

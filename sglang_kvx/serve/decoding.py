@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
 from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, DecodeStep, Span
-from sglang_kvx.decode.head_keep import KeysOf
-from sglang_kvx.decode.row_state import RowFacts, RowState
+from sglang_kvx.decode.row_state import RowFacts, RowState, Visibility
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.store import CompactedContext, PrefixCells
 
@@ -64,6 +64,7 @@ class DecodeRow:
         return _union(self.dropped[layer], self.span.hidden(seq_len))
 
 
+BatchKeysOf = Callable[[int, int], torch.Tensor]  # (batch index, n) -> that row's first n keys [Hkv, n, D]
 RecallScorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (prev_h, emb, local_h) -> [n]
 
 
@@ -177,33 +178,29 @@ class DecodeRunner:
         for i in self.routed(rows):
             self.rows[rows[i]].own.prev_hidden = hidden[i].detach().clone()
 
-    # --- per-head eviction, driven by the attention backend one layer at a time ------------
+    # --- what each row reads, asked by the attention backend one layer at a time ------------
 
-    def per_head(self, rows: list[int]) -> dict[int, DecodeRow]:
-        """Batch index -> the row's state, for rows whose step evicts per head."""
-        return {i: state for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.step.evicts_per_head}
+    def visibility(self, layer: int, rows: list[int], seq_lens: list[int], keys_of: BatchKeysOf,
+                   decode: bool) -> dict[int, Visibility]:
+        """Batch index -> what the row's own state changes of what it reads in ``layer`` (rows whose
+        state changes nothing are absent); the backend calls ``after_attention`` with them after the layer."""
+        seen = {}
+        for i, row in enumerate(rows):
+            state = self._live(row)
+            if state is not None:
+                visible = self._contain(state, lambda: state.own.visibility(layer, seq_lens[i], partial(keys_of, i), decode))
+                if visible is not None:
+                    seen[i] = visible
+        return seen
 
-    def head_prefill(self, layer: int, rows: dict[int, DecodeRow], weights: dict[int, torch.Tensor | None]) -> None:
-        """A prefill (chunk) ran in ``layer``: what its queries paid each entry counts."""
-        for i, state in rows.items():
-            if weights.get(i) is not None:
-                self._contain(state, lambda: state.own.heads.add_attention(layer, weights[i]))
-
-    def head_masks(self, layer: int, rows: dict[int, DecodeRow], seq_lens: list[int], keys_of: KeysOf) -> dict[int, torch.Tensor]:
-        """Batch index -> [H, seq_len] what each head of the row reads at this decode step in ``layer``."""
-        masks = {}
-        for i, state in rows.items():
-            mask = self._contain(state, lambda: state.own.heads.mask(layer, seq_lens[i], lambda n: keys_of(i, n)))
-            if mask is not None:
-                masks[i] = mask
-        return masks
-
-    def head_after_step(self, layer: int, rows: dict[int, DecodeRow], seq_lens: list[int],
-                        weights: dict[int, torch.Tensor | None], keys_of: KeysOf) -> None:
-        for i, state in rows.items():
-            if not state.failed:
-                self._contain(state, lambda: state.own.heads.after_step(layer, seq_lens[i], weights.get(i),
-                                                                    lambda n: keys_of(i, n)))
+    def after_attention(self, layer: int, rows: list[int], seq_lens: list[int], seen: dict[int, Visibility],
+                        weights: dict[int, torch.Tensor | None], keys_of: BatchKeysOf, decode: bool) -> None:
+        """``layer`` ran: each row in ``seen`` gets the attention weights it asked for."""
+        for i in seen:
+            state = self._live(rows[i])
+            if state is not None:
+                self._contain(state, lambda: state.own.after_attention(layer, seq_lens[i], weights.get(i),
+                                                                       partial(keys_of, i), decode))
 
     def _contain(self, state: DecodeRow, work: Callable):
         try:
@@ -211,19 +208,6 @@ class DecodeRunner:
         except Exception as exc:  # noqa: BLE001 - contained to the row's request
             self._fail(state, exc)
             return None
-
-    def gate_thresholds(self, rows: list[int]) -> list[float | None]:
-        """Each row's learned-gate threshold (None for rows without such a step, or whose step failed)."""
-        taus = []
-        for row in rows:
-            state = self._live(row)
-            taus.append(state.step.gate_threshold() if state is not None and state.step.evicts_by_gate else None)
-        return taus
-
-    def fold(self, row: int):
-        """A gate-evicting row's re-folded stretch (``compact.gate_fold.FoldedRow``), else None."""
-        state = self.rows.get(row)
-        return getattr(state.own, "fold", None) if state is not None else None
 
     def outcome(self, row: int) -> dict | None:
         """What a row's step did, for its response when it ends (None: nothing to say)."""

@@ -5,6 +5,7 @@ its objects; each concern lives in its own module:
   admission   serve/admission.py    parents, children, room, a child's prefix and positions
   recording   signals/recorder.py   what a policy reads from inside the prefill
   compaction  compact/compactor.py  read -> score -> allocate -> select -> fold -> gather -> store
+  parents     serve/parent_compaction.py  a finished parent: store hit, second pass or compaction, contained
   second pass compact/second_pass.py  a policy's further forwards over its context (KVzip's), then the compactor
 Any exception in the extension's own work on one request or context is contained to it: the
 context stays uncompacted with the reason in ``/kvx/stats``, and the scheduler goes on.
@@ -17,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from sglang_kvx.compact.compactor import Compactor, NothingFreed
+from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, SecondPassRunner
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.row_state import RowFacts
@@ -27,25 +28,19 @@ from sglang_kvx.ports import KVPool, Request, TensorParallel
 from sglang_kvx.serve.admission import Admission, RequestState
 from sglang_kvx.serve.report import runtime_counts, runtime_stats
 from sglang_kvx.serve.decoding import DecodeRunner
+from sglang_kvx.serve.parent_compaction import ParentCompaction
 from sglang_kvx.serve.shared_prefixes import SharedPrefixes
 from sglang_kvx.serve.sparse_index import SparseIndex
 from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
-from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads
+from sglang_kvx.signals import CaptureSpec
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
 
 logger = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 32
-MIN_COMPACTED_TOKENS = 2  # a parent with fewer tokens outside its protected prefix is served uncompacted
 CHILD, WHOLE = "child", "whole"  # what before_round asks of the prefix match
 AUTO_RID_PREFIX = INTERNAL_RID_PREFIX + "shared-prefix-"  # parents of beginnings plain requests repeat
-
-
-def _summary(context) -> dict:
-    n = context.n
-    return {"context_tokens": n, "slots": context.num_slots, "kept_fraction": round(context.num_slots / n, 6) if n else 0.0,
-            "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
 
 
 class Runtime:
@@ -78,12 +73,11 @@ class Runtime:
         self.auto_contexts = 0  # parents queued for shared beginnings
         self.second_pass = SecondPassRunner(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
+        self.parents = ParentCompaction(pool, self.store, self.compactor, self.recorder, self.second_pass,
+                                        self.capture_spec, self._failed, tp, self.num_kv_heads_total)
         # Whether the GDN backend hands over the signals it computes (ours, on CPU); else the adapter
         # has the recorder recompute them from each GDN layer's inputs.
         self.gdn_from_backend = False
-        self.skipped_no_room = 0
-        self.degenerate = 0  # parents whose settings keep no entry
-        self.skipped_keeps_all = 0  # parents whose kept entries, in whole pages, fill the whole context
         self.errors: list[str] = []  # why compactions failed (the context then stays uncompacted)
         self.failures = 0
 
@@ -221,7 +215,7 @@ class Runtime:
                 request.owned_from = owned_len
         if state.context is not None:
             if state.internal and request.rid in self.second_pass.jobs:
-                self._contained(lambda: self.second_pass.finish_pass(request), request)
+                self.parents.contained(lambda: self.second_pass.finish_pass(request), request)
             self.admission.release_child(request)
             return
         if not (request.finished and state.parent and request.holds_kv):
@@ -229,83 +223,7 @@ class Runtime:
         if request.aborted or state.settings is None:
             self.recorder.take(request.row)
             return
-        self._contained(lambda: self._compact_parent(request, state), request)
-
-    def _contained(self, work: Callable[[], None], request: Request) -> None:
-        try:
-            work()
-        except Exception as exc:  # one bad context must not stop the scheduler serving everyone else
-            self.recorder.take(request.row)
-            self._failed(f"{type(exc).__name__}: {exc}")
-            if request.state is not None:
-                request.state.outcome = {"compacted": False, "reason": "compaction failed inside the server (see /kvx/stats)"}
-            logger.exception("sglang_kvx: compaction of a %d-token context failed; it stays uncompacted",
-                             len(request.input_ids))
-
-    def _compact_parent(self, request: Request, state: RequestState) -> None:
-        settings = state.settings
-        stored = self.store.get(request.input_ids, settings)
-        if stored is not None:
-            self.recorder.take(request.row)
-            request.keep_out_of_tree()  # the compacted copy already serves this context
-            state.outcome = {"compacted": True, "already_stored": True, **_summary(stored)}
-            return
-        if get_policy(settings.policy).second_pass:
-            if not self.second_pass.start(request, settings, state.fields.tenant):
-                self.skipped_no_room += 1
-                state.outcome = {"compacted": False, "reason": f"no room in the pool to hold the context for {settings.policy}'s passes"}
-            else:
-                state.outcome = {"compacted": False, "pending": f"{settings.policy}'s passes run first; see /kvx/stats"}
-            return
-        recording = self.recorder.take(request.row)
-        n = len(request.input_ids)
-        if n - settings.protected_prefix_len < MIN_COMPACTED_TOKENS:
-            state.outcome = {"compacted": False, "reason": f"a context of {n} tokens is too short to compact"}
-            return  # served and cached as an ordinary request
-        context_slots = self.pool.row(request.row, n)
-        try:
-            context = self.compactor.compact(
-                tuple(int(t) for t in request.input_ids), context_slots, settings,
-                take_slots=lambda count: self._rank_slots(request, context_slots, count),
-                fill_signals=lambda signals: self._fill_signals(signals, recording, settings),
-                gdn_snapshot=self.pool.snapshot_state(request) if self.pool.has_state else None,
-                timings={"capture_s": recording.seconds if recording is not None else 0.0,  # inside the prefill
-                         "recorded_signal_bytes": recording.peak_nbytes() if recording is not None else 0},
-            )
-        except NothingFreed as why:
-            self.skipped_keeps_all += 1
-            state.outcome = {"compacted": False, "reason": str(why)}
-            return
-        if context is None:
-            self.skipped_no_room += 1
-            state.outcome = {"compacted": False, "reason": "no room in the pool for the compacted slots"}
-            return
-        if context.num_slots == 0:  # keep_fraction rounded every budget to zero: nothing to serve children from
-            self.degenerate += 1
-            state.outcome = {"compacted": False, "reason": "keep_fraction keeps no entry of this context"}
-            return
-        context.tenant = state.fields.tenant
-        self.store.add(context)
-        request.keep_out_of_tree()  # SGLang frees every other slot of the full context
-        state.outcome = {"compacted": True, **_summary(context)}
-
-    def _fill_signals(self, signals: ContextSignals, recording, settings: CompactionSettings) -> None:
-        """What the prefill recorded, into ``signals``; under tensor parallelism the per-head signals
-        of every rank, gathered (all ranks compact the same parent at the same point, so each
-        makes the same collective calls; a recording that failed on any rank fails on all)."""
-        error = None
-        try:
-            if recording is not None:
-                recording.fill(signals, self.compactor.gdn_layer_ids, self.compactor.attention_layer_ids)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agreed
-            error = exc
-        spec = self.capture_spec(settings)
-        if self.tp is not None and (spec.gdn or spec.output_gate):
-            if not self.tp.all_agree(error is None):
-                raise error or RuntimeError("sglang_kvx: another tensor-parallel rank failed to record this context")
-            gather_heads(signals, self.tp, self.num_kv_heads_total)
-        if error is not None:
-            raise error
+        self.parents.contained(lambda: self.parents.compact(request, state), request)
 
     def outcome_once(self, request: Request) -> list[dict]:
         """The request's outcome for its response's meta_info["kvx"], once, when it finishes."""
@@ -314,18 +232,6 @@ class Runtime:
             return []
         state.reported = True
         return [state.outcome]
-
-    def _rank_slots(self, request: Request, context_slots: torch.Tensor, count: int) -> torch.Tensor | None:
-        """Slots for the compacted context. Prefer the parent's own: the copy gathers the kept entries
-        into the first S slots the parent owns (everything is read before it writes), so compaction
-        needs no pool slots beyond the prefill's. Fresh slots only when the parent owns too few (most
-        of its context was a prefix-cache hit)."""
-        owned_start = request.owned_from
-        if len(context_slots) - owned_start >= count:
-            slots = context_slots[owned_start : owned_start + count].clone()
-            request.owned_from = owned_start + count  # SGLang frees the row past it: keep these out
-            return slots
-        return self.pool.alloc(count)
 
     # --- store lifetime ----------------------------------------------------------------
 
