@@ -17,7 +17,7 @@ import torch
 
 from sglang_kvx.config import KvxConfigError, build_config
 from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_config
-from sglang_kvx.reference.oda import always_full, always_local, head_route, oda_generate
+from sglang_kvx.reference.oda import always_full, always_local, compacted_route_generate, head_route, oda_generate
 
 from test_compaction_e2e import GREEDY, compact, served_keep_set, stored, text, wait_idle
 
@@ -159,8 +159,8 @@ def test_oda_over_a_compacted_prefix_matches_the_oracle(oda_server, policy):
         body = run(server, context + question, **{"custom_params": {"kvx": {"policy": policy, "keep_fraction": 0.5,
                                                  "decode": {"step": "oda", "sinks": SINKS, "window": WINDOW, "theta": theta}}}})
         assert body["meta_info"]["kvx"][0]["child"] is True
-        tokens, lps, full = ref.compacted_route_generate(context, keep, question, NEW_TOKENS, SINKS, WINDOW,
-                                                         head_route(head, theta))
+        tokens, lps, full = compacted_route_generate(ref, context, keep, question, NEW_TOKENS, SINKS, WINDOW,
+                                                     head_route(head, theta))
         assert body["output_ids"] == tokens
         assert close(logprobs(body), lps) <= 1e-4
         assert body["meta_info"]["kvx"][-1]["full_steps"] == sum(full)

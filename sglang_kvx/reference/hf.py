@@ -153,8 +153,8 @@ class HFReference:
         the model's current one).
         """
         model = self.model
-        cache, valid = self._compacted_cache(context_ids, keep)
-        with self._attention(attention):
+        cache, valid = self.compacted_cache(context_ids, keep)
+        with self.oracle_attention(attention):
             n = len(context_ids)
             generated: list[int] = []
             logprobs: list[float] = []
@@ -178,8 +178,8 @@ class HFReference:
     ) -> list[float]:
         """log p(question_t | compacted context, question_<t) for t >= 1: a child's input_token_logprobs
         past its first question token, teacher-forced over the cache ``compacted_generate`` reads."""
-        cache, valid = self._compacted_cache(context_ids, keep)
-        with self._attention(attention):
+        cache, valid = self.compacted_cache(context_ids, keep)
+        with self.oracle_attention(attention):
             positions = torch.arange(len(context_ids), len(context_ids) + len(question_ids))[None]
             logits = self.model(torch.tensor([question_ids]), position_ids=positions, cache_position=positions[0],
                                 past_key_values=cache, use_cache=True, **valid).logits[0]
@@ -187,7 +187,7 @@ class HFReference:
         return [float(logp[t - 1, question_ids[t]]) for t in range(1, len(question_ids))]
 
     @contextmanager
-    def _attention(self, attention: str):
+    def oracle_attention(self, attention: str = ORACLE_ATTENTION):
         """The model runs with the registered ``attention`` inside (the compacted cache's oracle)."""
         _register_oracle_attention()
         previous = self.model.config._attn_implementation
@@ -197,7 +197,7 @@ class HFReference:
         finally:
             self.model.set_attn_implementation(previous)
 
-    def _compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor | list[torch.Tensor]]):
+    def compacted_cache(self, context_ids: list[int], keep: list[torch.Tensor | list[torch.Tensor]]):
         """The context's prefill cache with each attention layer cut to its kept positions per KV head,
         and the forward kwargs hiding per-head padding ({} when every head of a layer keeps as many)."""
         if len(keep) != len(self.attention_layer_ids):
@@ -215,53 +215,6 @@ class HFReference:
         return cache, ({"kvx_prefix_valid": valid} if valid else {})
 
     @torch.no_grad()
-    def compacted_route_generate(
-        self, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int,
-        sinks: int, window: int, route: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool],
-    ) -> tuple[list[int], list[float], list[bool]]:
-        """``compacted_generate`` with local-first decoding (On-Demand Attention over a compacted
-        prefix): each decode step t first reads, in every attention layer, the first ``sinks`` and
-        the ``window`` most recent of that layer's keys (its K_l kept entries, then the question and
-        the answer so far); ``route(t, prev_h, emb, local_h)`` True re-runs it with all of them from
-        a copy of the pre-step cache. Returns tokens, log-probs and per step whether Full was kept."""
-        import copy
-
-        model = self.model
-        cache, valid = self._compacted_cache(context_ids, keep)
-        if valid:
-            raise NotImplementedError("local-first decoding over per-head budgets (the server refuses it too)")
-
-        def forward(ids: list[int], position: int, cache, span=None) -> tuple[torch.Tensor, torch.Tensor]:
-            positions = torch.arange(position, position + len(ids))[None]
-            extra = {} if span is None else {"kvx_local_span": span}
-            hidden = model.model(torch.tensor([ids]), position_ids=positions, cache_position=positions[0],
-                                 past_key_values=cache, use_cache=True, **extra).last_hidden_state[0, -1]
-            return hidden.float(), model.lm_head(hidden).float()
-
-        with self._attention(ORACLE_ATTENTION):
-            position = len(context_ids)
-            prev_h, logits = forward(list(question_ids), position, cache)
-            position += len(question_ids)
-            tokens: list[int] = []
-            logprobs: list[float] = []
-            full_steps: list[bool] = []
-            while True:
-                if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
-                    break
-                pre_step = copy.deepcopy(cache)
-                local_h, local_logits = forward(tokens[-1:], position, cache, (sinks, window))
-                emb = model.get_input_embeddings().weight[tokens[-1]].float()
-                full = bool(route(len(tokens), prev_h, emb, local_h))
-                if full:
-                    cache = pre_step
-                    prev_h, logits = forward(tokens[-1:], position, cache)
-                else:
-                    prev_h, logits = local_h, local_logits
-                full_steps.append(full)
-                position += 1
-            return tokens, logprobs, full_steps
-
-    @torch.no_grad()
     def span_generate(
         self, input_ids: list[int], max_new_tokens: int, span_of_step: Callable[[int], tuple[int, int | None]],
         progress: bool = False,
@@ -276,8 +229,8 @@ class HFReference:
         cache, logits = out.past_key_values, out.logits[0, -1]
         tokens: list[int] = []
         logprobs: list[float] = []
-        for _ in _greedy_steps(max_new_tokens, progress, "HF span oracle"):
-            if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
+        for _ in greedy_steps(max_new_tokens, progress, "HF span oracle"):
+            if take_greedy(logits, tokens, logprobs) == max_new_tokens:
                 break
             seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
             sinks, window = span_of_step(len(tokens))
@@ -303,12 +256,9 @@ class HFReference:
         cached = torch.arange(len(input_ids))  # the position each cache entry holds
         tokens: list[int] = []
         logprobs: list[float] = []
-        _register_oracle_attention()
-        previous = model.config._attn_implementation
-        model.set_attn_implementation(ORACLE_ATTENTION)
-        try:
-            for _ in _greedy_steps(max_new_tokens, progress, "HF streaming oracle"):
-                if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
+        with self.oracle_attention():
+            for _ in greedy_steps(max_new_tokens, progress, "HF streaming oracle"):
+                if take_greedy(logits, tokens, logprobs) == max_new_tokens:
                     break
                 seq_len = len(input_ids) + len(tokens)  # keys this step reads, its own included
                 keep = (cached < sinks) | (cached >= seq_len - window)
@@ -323,11 +273,9 @@ class HFReference:
                 logits = model(torch.tensor([tokens[-1:]]), position_ids=position, cache_position=position[0],
                                past_key_values=cache, use_cache=True).logits[0, -1]
             return tokens, logprobs
-        finally:
-            model.set_attn_implementation(previous)
 
 
-def _greedy_steps(count: int, progress: bool, description: str):
+def greedy_steps(count: int, progress: bool, description: str):
     if not progress:
         return range(count)
     from tqdm import tqdm
@@ -335,7 +283,7 @@ def _greedy_steps(count: int, progress: bool, description: str):
     return tqdm(range(count), desc=description, unit="tok", mininterval=5)
 
 
-def _take_greedy(logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> int:
+def take_greedy(logits: torch.Tensor, tokens: list[int], logprobs: list[float]) -> int:
     """Append the greedy token of ``logits`` and its log-probability; returns how many tokens there are."""
     token = int(logits.argmax())
     tokens.append(token)

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from sglang_kvx.decode.base import Span
-from sglang_kvx.reference.hf import HFReference
+from sglang_kvx.reference.hf import HFReference, take_greedy
 
 Route = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool]
 
@@ -219,3 +219,51 @@ def oracle_generate(model: HFReference | Any, input_ids: list[int], max_new_toke
         full = commit == "full" or local_token != full_token
         cache, logits = (full_cache, full_logits) if full else (cache, local_logits)
         result.full_steps.append(full)
+
+
+# --- local-first decoding over a compacted prefix (tests/test_oda_e2e.py) ------------------------
+
+@torch.no_grad()
+def compacted_route_generate(
+    ref: HFReference, context_ids: list[int], keep: list[torch.Tensor], question_ids: list[int], max_new_tokens: int,
+    sinks: int, window: int, route: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], bool],
+) -> tuple[list[int], list[float], list[bool]]:
+    """``HFReference.compacted_generate`` with local-first decoding (On-Demand Attention over a compacted
+    prefix): each decode step t first reads, in every attention layer, the first ``sinks`` and
+    the ``window`` most recent of that layer's keys (its K_l kept entries, then the question and
+    the answer so far); ``route(t, prev_h, emb, local_h)`` True re-runs it with all of them from
+    a copy of the pre-step cache. Returns tokens, log-probs and per step whether Full was kept."""
+    model = ref.model
+    cache, valid = ref.compacted_cache(context_ids, keep)
+    if valid:
+        raise NotImplementedError("local-first decoding over per-head budgets (the server refuses it too)")
+
+    def forward(ids: list[int], position: int, cache, span=None) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(position, position + len(ids))[None]
+        extra = {} if span is None else {"kvx_local_span": span}
+        hidden = model.model(torch.tensor([ids]), position_ids=positions, cache_position=positions[0],
+                             past_key_values=cache, use_cache=True, **extra).last_hidden_state[0, -1]
+        return hidden.float(), model.lm_head(hidden).float()
+
+    with ref.oracle_attention():
+        position = len(context_ids)
+        prev_h, logits = forward(list(question_ids), position, cache)
+        position += len(question_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        full_steps: list[bool] = []
+        while True:
+            if take_greedy(logits, tokens, logprobs) == max_new_tokens:
+                break
+            pre_step = copy.deepcopy(cache)
+            local_h, local_logits = forward(tokens[-1:], position, cache, (sinks, window))
+            emb = model.get_input_embeddings().weight[tokens[-1]].float()
+            full = bool(route(len(tokens), prev_h, emb, local_h))
+            if full:
+                cache = pre_step
+                prev_h, logits = forward(tokens[-1:], position, cache)
+            else:
+                prev_h, logits = local_h, local_logits
+            full_steps.append(full)
+            position += 1
+        return tokens, logprobs, full_steps

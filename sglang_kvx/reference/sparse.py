@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.reference.hf import HFReference, _greedy_steps, _take_greedy
+from sglang_kvx.reference.hf import HFReference, greedy_steps, take_greedy
 
 SPARSE_ATTENTION = "kvx_block_sparse_oracle"
 BLOCK = 4
@@ -63,8 +63,8 @@ def sparse_greedy(reference: HFReference, input_ids: list[int], max_new_tokens: 
     try:
         out = model(torch.tensor([input_ids]), use_cache=True)
         cache, logits = out.past_key_values, out.logits[0, -1]
-        for _ in _greedy_steps(max_new_tokens, False, "HF sparse oracle"):
-            if _take_greedy(logits, tokens, logprobs) == max_new_tokens:
+        for _ in greedy_steps(max_new_tokens, False, "HF sparse oracle"):
+            if take_greedy(logits, tokens, logprobs) == max_new_tokens:
                 break
             position = torch.tensor([[len(input_ids) + len(tokens) - 1]])
             logits = model(torch.tensor([tokens[-1:]]), position_ids=position, cache_position=position[0],
