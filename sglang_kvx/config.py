@@ -14,8 +14,8 @@ from dataclasses import asdict, field, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sglang_kvx.allocate import allocation_tp_problem
 from sglang_kvx.checkpoint import text_config
+from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
 
@@ -168,11 +168,6 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
     policy_cls = get_policy(policy)
     if policy not in flag_choices():
         raise KvxConfigError(f"--kvx-policy {policy} is not served yet (it scores offline); valid choices: {choices}")
-    if tp_size > 1 and policy_cls.tp_unsafe:
-        raise KvxConfigError(f"kvx policy {policy!r} is not supported with --tp-size {tp_size} yet: {policy_cls.tp_unsafe}")
-    if tp_size > 1 and policy_cls.compacts and (problem := allocation_tp_problem(policy_cls.allocation)):
-        raise KvxConfigError(f"kvx policy {policy!r}: its allocation {policy_cls.allocation!r} is not supported with "
-                             f"--tp-size {tp_size} yet: {problem}")
     values = {by_name[name].config_attr: parse() for name, parse in value.items()}
     values["decode_steps"] = values["decode_steps"] or bool(values["decode"])
     if not (policy_cls.compacts or values["decode_steps"] or values["sparse_budget"]):
@@ -186,24 +181,24 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
     config = KvxConfig(**values, model_path=str(model_path or ""))
     if config.sparse_budget and config.decode_steps:
         raise KvxConfigError("--kvx-sparse-attention cannot be combined with decode-time steps yet")
-    if page_size > 1:
-        # Compaction fills whole pages (allocate.fill_pages); these free or hold slots one at a time.
-        if policy_cls.second_pass:
-            raise KvxConfigError(f"kvx policy {policy!r} is not supported with --page-size {page_size} yet: its "
-                                 f"reconstruction passes hold the context in slots that are not whole pages")
-        for refused, what in ((config.decode_steps, "decode-time steps (--kvx-decode, --kvx-decode-steps)"),
-                              (config.sparse_budget, "block-sparse attention (--kvx-sparse-attention)")):
-            if refused:
-                raise KvxConfigError(f"{what}: not supported with --page-size {page_size} yet; serve with --page-size 1")
+    if page_size > 1 and config.sparse_budget:
+        raise KvxConfigError(f"block-sparse attention (--kvx-sparse-attention): not supported with --page-size "
+                             f"{page_size} yet; serve with --page-size 1")
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")
     traits = model_traits(model_path) if model_path else None
-    if traits is not None:
-        try:
-            policy_cls.check_model(traits)
-        except ValueError as exc:
-            raise KvxConfigError(str(exc)) from None
+    # The checks a request's own settings meet too (checks.py), against this launch's facts.
+    facts = ServingFacts(tp_size=tp_size, page_size=page_size, sparse_budget=config.sparse_budget,
+                         model_signals=traits.signals if traits is not None else None,
+                         model_name=traits.architecture if traits is not None else "this model")
+    if problem := policy_problem(policy, policy_cls.allocation, facts, label=f"--kvx-policy {policy}",
+                                 allocation_label=f"--kvx-policy {policy}: its allocation {policy_cls.allocation!r}"):
+        raise KvxConfigError(problem)
+    # The step's own needs: check_decode_for_model, below.
+    if config.decode_steps and (problem := decode_problem(None, facts, label="--kvx-decode-steps" if not config.decode
+                                                          else "--kvx-decode")):
+        raise KvxConfigError(problem)
     gated = traits is not None and bool(traits.gated_attention)
     if gated and config.sparse_budget:
         raise KvxConfigError(f"--kvx-sparse-attention: {traits.architecture} computes its own gated attention, "
@@ -242,21 +237,18 @@ def read_gate_tau(model_path: str | os.PathLike) -> float | None:
 
 
 def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str:
-    """The server's decode step against the model: what it reads must be there; a gate step without
-    a tau takes the checkpoint's. Returns the canonical JSON, completed."""
-    from sglang_kvx.decode import DECODE_STEPS
-
+    """The server's decode step against the model (``checks.decode_problem``): what it reads must be
+    there; a gate step without a tau takes the checkpoint's. Returns the canonical JSON, completed."""
     settings = json.loads(config.decode)
-    step = DECODE_STEPS[settings["step"]]
-    if traits is not None and step.needs - traits.signals:
-        raise KvxConfigError(f"--kvx-decode {settings['step']} needs {', '.join(sorted(step.needs))}, which "
-                             f"{traits.architecture} does not provide (serve {step.model_hint or 'a model that does'})")
-    if "tau" in step.real_options and "tau" not in settings:
-        if config.gate_tau is None:
-            raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "
-                                 f"no tau; pass --kvx-decode '{{\"step\": \"{settings['step']}\", \"tau\": 0.05}}'")
-        settings["tau"] = config.gate_tau
-    return json.dumps(settings, sort_keys=True)
+    facts = ServingFacts(model_signals=traits.signals if traits is not None else None,
+                         model_name=traits.architecture if traits is not None else "this model")
+    if problem := decode_problem(settings["step"], facts, label=f"--kvx-decode {settings['step']}"):
+        raise KvxConfigError(problem)
+    options = with_checkpoint_tau(settings["step"], settings, config.gate_tau)
+    if options is None:
+        raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "
+                             f"no tau; pass --kvx-decode '{{\"step\": \"{settings['step']}\", \"tau\": 0.05}}'")
+    return json.dumps(options, sort_keys=True)
 
 
 def load_recall_head(config: KvxConfig):

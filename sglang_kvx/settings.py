@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from sglang_kvx.allocate import allocation_reads_scores, allocation_needs, allocation_tp_problem
-from sglang_kvx.decode import DECODE_STEPS, DecodeSettings
+from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
+from sglang_kvx.decode import DecodeSettings
 from sglang_kvx.policies import get_policy, servable_policy_names
 from sglang_kvx.schema import FIELD_PREFIX, FIELD_SETTINGS, MAX_NAME_LENGTH, _short
 
@@ -102,6 +102,11 @@ class ServerDefaults:
     sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
     decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
 
+    @property
+    def facts(self) -> ServingFacts:
+        return ServingFacts(tp_size=self.tp_size, page_size=self.page_size, sparse_budget=self.sparse_budget,
+                            model_signals=self.model_signals, per_layer_lengths=self.per_layer_lengths)
+
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
     """The decode step a request runs: its own (over the server's options when it names the same
@@ -113,25 +118,18 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
         settings = DecodeSettings(own.step, tuple(sorted({**dict(default.options), **dict(own.options)}.items())))
     if settings is None:
         return None
-    if server.sparse_budget:  # the launcher refuses --kvx-decode beside it for the same reason
-        raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps cannot run under --kvx-sparse-attention "
-                            f"yet (block-sparse attention reads the whole row, slots a step evicted included)")
-    if server.page_size > 1:  # the launcher refuses --kvx-decode with pages for the same reason
-        raise SettingsError(f"{FIELD_PREFIX}.decode: decode-time steps are not supported with --page-size "
-                            f"{server.page_size} yet (they free and hold slots one at a time); serve with --page-size 1")
+    if problem := decode_problem(settings.step, server.facts, label=f"{FIELD_PREFIX}.decode",
+                                 step_label=f"{FIELD_PREFIX}.decode.step {settings.step!r}"):
+        raise SettingsError(problem)
     if own is not None and not server.decode_steps and default is None:
         raise SettingsError(f"{FIELD_PREFIX}.decode: this server runs without decode-time steps; launch it with "
                             f"--kvx-decode-steps on (or --kvx-decode STEP)")
-    step = DECODE_STEPS[settings.step]
-    missing = sorted(step.needs - server.model_signals)
-    if missing:
-        raise SettingsError(f"{FIELD_PREFIX}.decode.step {settings.step!r} needs {', '.join(missing)}, "
-                            f"which this model does not provide" + (f" (serve {step.model_hint})" if step.model_hint else ""))
-    if "tau" in step.real_options and "tau" not in dict(settings.options):
-        if server.gate_tau is None:
-            raise SettingsError(f"{FIELD_PREFIX}.decode.tau is needed: this checkpoint has no frozen threshold")
-        settings = DecodeSettings(settings.step, tuple(sorted({**dict(settings.options), "tau": server.gate_tau}.items())))
-    return settings
+    options = with_checkpoint_tau(settings.step, dict(settings.options), server.gate_tau)
+    if options is None:
+        raise SettingsError(f"{FIELD_PREFIX}.decode.tau is needed: this checkpoint has no frozen threshold")
+    if options == dict(settings.options):
+        return settings
+    return DecodeSettings(settings.step, tuple(sorted(options.items())))
 
 
 def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:
@@ -143,32 +141,10 @@ def resolve_settings(fields: RequestFields, server: ServerDefaults) -> Compactio
             f"{FIELD_PREFIX}.policy is needed: the server runs without a policy; valid choices: "
             f"{', '.join(servable_policy_names())}"
         )
-    if server.tp_size > 1 and policy_cls.tp_unsafe:
-        raise SettingsError(
-            f"policy {policy_name!r} is not supported with --tp-size {server.tp_size} yet: {policy_cls.tp_unsafe}"
-        )
-    if server.page_size > 1 and policy_cls.second_pass:
-        raise SettingsError(f"policy {policy_name!r} is not supported with --page-size {server.page_size} yet: "
-                            f"its reconstruction passes hold the context in slots that are not whole pages")
     allocation = fields.allocation or policy_cls.allocation
-    problem = allocation_tp_problem(allocation) if server.tp_size > 1 else None
-    if problem:
-        raise SettingsError(f"allocation {allocation!r} is not supported with --tp-size {server.tp_size} yet: {problem}")
-    missing = sorted((policy_cls.needs | allocation_needs(allocation)) - server.model_signals)
-    if missing:
-        which = f"allocation {allocation!r}" if not policy_cls.needs - server.model_signals else f"policy {policy_name!r}"
-        raise SettingsError(f"{which} needs {', '.join(missing)}, which this model does not provide")
-    if allocation_reads_scores(allocation):
-        for refused, why in ((server.sparse_budget, "--kvx-sparse-attention regroups a layer's kept entries in blocks"),
-                             (server.page_size > 1, f"--page-size {server.page_size} pages cannot hold per-head counts")):
-            if refused:
-                raise SettingsError(f"allocation {allocation!r} budgets each KV head, which this server cannot serve "
-                                    f"yet: {why}; use allocation 'flat'")
-    if allocation != "flat" and not server.per_layer_lengths:
-        raise SettingsError(
-            f"allocation {allocation!r} needs per-layer lengths, which this attention backend (MLA) cannot take; "
-            f"use allocation 'flat'"
-        )
+    if problem := policy_problem(policy_name, allocation, server.facts, label=f"policy {policy_name!r}",
+                                 allocation_label=f"allocation {allocation!r}"):
+        raise SettingsError(problem)
     return CompactionSettings(
         policy=policy_name,
         keep_fraction=fields.keep_fraction if fields.keep_fraction is not None else server.keep_fraction,

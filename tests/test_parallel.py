@@ -76,7 +76,7 @@ def test_start_up_refuses_a_policy_ranks_would_disagree_on(launch_parser, demo_p
     result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--kvx-policy-modules", "throwaway_policy",
                                  "--kvx-policy", "_throwaway_rank_local", "--kvx-keep-fraction", "0.2",
                                  "--tp-size", "2", "--max-total-tokens", "4096")
-    assert result.returncode == 2 and "'_throwaway_rank_local' is not supported with --tp-size 2" in result.stderr, \
+    assert result.returncode == 2 and "--kvx-policy _throwaway_rank_local is not supported with --tp-size 2" in result.stderr, \
         result.stderr[-2000:]
 
 
