@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from sglang_kvx.decode import DecodeSettings
+from sglang_kvx.decode import DecodeSettings, DecodeStep
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
 from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
@@ -41,6 +41,14 @@ class RequestState:
     reported: bool = False  # the outcome went out with a response
     decode: DecodeSettings | None = None  # the decode step it runs (its own or --kvx-decode's)
     prefix_checked: bool = False  # a plain request was compared with earlier prompts (shared beginnings)
+    built_step: DecodeStep | None = None  # ``decode`` built, once (``decode_step``)
+
+    def decode_step(self) -> DecodeStep:
+        """The request's decode step, built on first use and kept: one instance per request, which
+        may hold state of its own; every later use (its generation bound, its row) reads this one."""
+        if self.built_step is None:
+            self.built_step = self.decode.build()
+        return self.built_step
 
 
 class Admission:

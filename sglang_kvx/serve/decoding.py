@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_kvx.decode import DECODE_STEPS, DecodeSettings, DecodeStep, Span
+from sglang_kvx.decode import DECODE_STEPS, DecodeStep, Span
 from sglang_kvx.decode.row_state import RowFacts, RowState, Visibility
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.store import CompactedContext, PrefixCells
@@ -99,12 +99,11 @@ class DecodeRunner:
     def __bool__(self) -> bool:
         return bool(self.rows)
 
-    def admit(self, row: int, settings: DecodeSettings, request: Request) -> None:
-        """A request enters its row (again for each prefill chunk: its state is kept). A state left
-        by another request -- one that ended without running a decode step -- is replaced."""
+    def admit(self, row: int, step: DecodeStep, request: Request) -> None:
+        """A request enters its row with its decode step (again for each prefill chunk: its state is
+        kept). A state left by another request -- one that ended without running a decode step -- is replaced."""
         state = self.rows.get(row)
         if state is None or state.request.rid != request.rid:
-            step = settings.build()
             self.rows[row] = DecodeRow(step=step, own=step.row_state(step, request, self.facts),
                                        num_layers=self.pool.num_layers)
 

@@ -157,7 +157,7 @@ class Runtime:
         state = self.admission.state_of(request)
         if state is None or state.decode is None or state.parent:
             return None
-        live = state.decode.build().live_tokens(len(request.input_ids))
+        live = state.decode_step().live_tokens(len(request.input_ids))
         if live is None or live + 2 > pool_tokens:
             return None
         return max(0, min(requested, max_request_len - len(request.input_ids) - 1))
@@ -182,7 +182,7 @@ class Runtime:
         state = request.state
         if state is not None and not request.finished and not request.aborted:
             if state.decode is not None and not state.parent and not state.internal:
-                self.decode.admit(request.row, state.decode, request)
+                self.decode.admit(request.row, state.decode_step(), request)
             if context is not None and state.internal:
                 self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
             elif context is None and state.parent and state.settings is not None:
