@@ -17,11 +17,12 @@ FILE_ORDER = (
     "test_chunked_prefill_e2e.py", "test_frontend_and_openai.py",
     # "recomputing": the recomputing hybrid and the compacting dense server
     "test_attention_backends.py", "test_compaction_e2e.py", "test_oda_e2e.py", "test_policy_registry_e2e.py",
+    "test_schemathesis.py",
     # one file each, with servers of their own
     "test_parallel.py", "test_gate_eviction_e2e.py", "test_qwen3_next.py", "test_paged_kv_e2e.py",
     "test_smollm2.py", "test_qwen3_dense.py",
 )
-GROUPS = {name: "perf" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:10]}
+GROUPS = {name: "perf" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:11]}
 
 
 def rank(path: Path) -> int:
