@@ -1,0 +1,79 @@
+"""No request changes another's settings (issue #41 item 3).
+
+A mixed sequence of per-request overrides -- parents and children under policies other than the
+server's, other keep fractions, a tenant, a decode step, plain requests, bad fields -- is sent to a
+shared server one after another without a flush; then each item is sent again on its own, after
+``/flush_cache`` (the server back at its start state, as a fresh one: the suite's fixture checks
+that state after every test). Each item reads its own document, so the only way the two runs can
+differ is state one request leaves behind for another: every answer (status, tokens, and what the
+extension says it did in ``meta_info.kvx``) must be the same. Run on the compacting server and on the
+block-sparse one, which has no policy of its own (there one client's policy once became every later
+request's, until a flush).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_compaction_e2e import GREEDY, text
+
+KVX_KEYS = ("child", "compacted", "reason", "policy", "keep_fraction", "slots", "context_tokens", "already_stored")
+
+
+def _kvx(**fields) -> dict:
+    return {"custom_params": {"kvx": fields}}
+
+
+def _items(ref) -> list[tuple[str, list[dict]]]:
+    """(name, requests): the last request of each is the one compared; earlier ones set it up."""
+    docs = [ref.encode(text(90, seed=700 + i)) for i in range(8)]
+    question = ref.encode(" which word comes next?")
+
+    def parent(doc, **fields):
+        return {"input_ids": doc, "sampling_params": {"max_new_tokens": 0, **(_kvx(**fields) if fields else {})}}
+
+    def ask(doc, new=5, **fields):
+        return {"input_ids": doc + question, "sampling_params": {**GREEDY, "max_new_tokens": new,
+                                                                 **(_kvx(**fields) if fields else {})}}
+
+    return [
+        ("snapkv parent and child", [parent(docs[0], policy="snapkv", keep_fraction=0.3),
+                                     ask(docs[0], policy="snapkv", keep_fraction=0.3)]),
+        ("plain request", [ask(docs[1])]),
+        ("knorm child of a tenant", [parent(docs[2], policy="knorm", keep_fraction=0.5, tenant="t1"),
+                                     ask(docs[2], policy="knorm", keep_fraction=0.5, tenant="t1")]),
+        ("server default parent and child", [parent(docs[3]), ask(docs[3])]),
+        ("bad field", [ask(docs[4], keep_fraction=7)]),
+        ("decode step", [ask(docs[5], 8, decode={"step": "streamingllm", "sinks": 4, "window": 32})]),
+        ("keydiff at 0.2", [parent(docs[6], policy="keydiff", keep_fraction=0.2),
+                            ask(docs[6], policy="keydiff", keep_fraction=0.2)]),
+        ("plain parent-shaped request", [parent(docs[7]), ask(docs[7])]),
+    ]
+
+
+def _answer(server, request: dict) -> tuple:
+    response = server.generate(request)
+    if response.status_code != 200:
+        return response.status_code, response.text[:200]
+    body = response.json()
+    outcome = [{key: entry[key] for key in KVX_KEYS if key in entry} for entry in body["meta_info"].get("kvx", [])]
+    return 200, body["output_ids"], outcome
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["compacting", "sparse"])
+def test_answers_in_a_mixed_sequence_equal_each_request_sent_alone(kind, shared_server, references) -> None:
+    server, ref = shared_server(kind, "tiny-llama"), references["tiny-llama"]
+    items = _items(ref)
+    in_sequence = {}
+    for name, requests_ in items:
+        for request in requests_:
+            answer = _answer(server, request)
+        in_sequence[name] = answer
+    served = [name for name, answer in in_sequence.items() if answer[0] == 200]
+    assert len(served) >= 4, in_sequence  # the sequence serves most items on either server
+    for name, requests_ in items:
+        server.flush()
+        for request in requests_:
+            alone = _answer(server, request)
+        assert in_sequence[name] == alone, f"{name!r} on the {kind} server: in the sequence {in_sequence[name]}, alone {alone}"
