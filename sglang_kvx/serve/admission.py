@@ -130,6 +130,8 @@ class Admission:
         # Without a policy of its own or the server's, a request reads no compacted context (another
         # client's parent named one): it is plain, whatever the store holds.
         names_a_policy = state.fields.policy is not None or get_policy(self.defaults.policy).compacts
+        if state.fields.policy is not None and self.settings_of(request, state) is None:
+            return False  # the settings a request names are checked whether or not the store holds a context
         if len(self.store) and not state.fields.wants_full_cache and names_a_policy:
             settings = self.settings_of(request, state)
             if settings is None:
