@@ -300,7 +300,7 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
 
         def fill(signals, recording=recording, name=name) -> None:
             if recording is not None:
-                recording.fill(signals, gdn_ids, attention_ids)
+                recording.fill(signals)
             if name == "kvzip":
                 signals.reconstruction_attention = []
                 for layer in range(layers):

@@ -55,6 +55,6 @@ def test_recorder_keeps_captures_on_the_forward_device():
     recorder.attention(0, torch.empty(6, 4 * 8, device=META), batch, num_q_heads=4, head_dim=8, scaling=0.35)
     recorder.output_gate(0, torch.empty(6, 4 * 8, device=META), batch, 4)
     recording = recorder.take(3)
-    assert recording.window_queries[0].device == META
-    assert recording.column_sums[0].device == META
-    assert recording.gates[0][0].device == META
+    assert recording.state("window").queries[0].device == META
+    assert recording.state("column_sums").sums[0].device == META
+    assert recording.state("output_gate")["sums"][0][0].device == META

@@ -305,9 +305,9 @@ def test_the_server_scores_a_prefill_chunk_by_chunk_as_the_whole_context_would_b
     recorder = SignalRecorder(_Pool(), 4, lambda: None, gdn_layer_ids=[0, 2, 3], attention_layer_ids=[1, 4])
     recorder.start(5, 300, CaptureSpec(gdn=True), policy.chunk_scoring())
     recording = _record_in_chunks(recorder, whole, [(0, 64), (64, 64), (128, 100), (228, 72)])
-    assert recording.failed is None and not recording.gdn  # every GDN chunk dropped once read
+    assert recording.failed is None and not recording.state("gdn").chunks  # every GDN chunk dropped once read
     streamed = ContextSignals(n=300, num_q_heads=4, num_kv_heads=2, head_dim=8, keys=whole.keys, values=whole.values)
-    recording.fill(streamed, [0, 2, 3], [1, 4])
+    recording.fill(streamed)
     assert not streamed.gdn and streamed.gdn_layer_of_attention == [1, 3]
     for layer in range(2):
         assert torch.allclose(policy.score_layers(streamed, [5, 5])[layer], expected[layer], atol=1e-5)
@@ -324,8 +324,8 @@ def test_the_server_scores_a_prefill_chunk_by_chunk_as_the_whole_context_would_b
     logits = [torch.randn(300, 32, generator=torch.Generator().manual_seed(layer)) + 3.0 * layer - 2.0 for layer in range(2)]
     recorder.start(5, 300, CaptureSpec(gdn=True, output_gate=True), policy.chunk_scoring())
     gated = _record_in_chunks(recorder, whole, [(0, 64), (64, 236)], gates=logits)
-    assert all(total.shape == (4,) for total, _ in gated.gates.values())
-    gated.fill(streamed, [0, 2, 3], [1, 4])
+    assert all(total.shape == (4,) for total, _ in gated.state("output_gate")["sums"].values())
+    gated.fill(streamed)
     per_token = [torch.sigmoid(g.reshape(300, 4, 8)).mean(-1) for g in logits]
     for layer in range(2):
         assert torch.allclose(streamed.output_gate[layer], per_token[layer].mean(0, keepdim=True), atol=1e-6)

@@ -2,14 +2,65 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from test_compaction_e2e import ask, compact, served_keep_set, stored, text, wait_idle
+from test_compaction_e2e import ask, compact, overlap, served_keep_set, stored, text, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.quick]  # the shared dense server's
+
+
+@contextlib.contextmanager
+def throwaway_registered():
+    """``throwaway_policy`` registered in this process for the block only: other tests see the
+    package's registries as shipped."""
+    from sglang_kvx.decode.base import DECODE_STEPS
+    from sglang_kvx.policies.base import POLICIES
+    from sglang_kvx.signals.base import SIGNAL_FIELDS, SIGNALS
+
+    registries = (DECODE_STEPS, POLICIES, SIGNALS, SIGNAL_FIELDS)
+    saved = [registry.copy() for registry in registries]
+    try:
+        importlib.import_module("throwaway_policy")
+        yield
+    finally:
+        sys.modules.pop("throwaway_policy", None)
+        for registry, before in zip(registries, saved):
+            registry.clear()
+            registry.update(before)
+
+
+def test_a_policy_with_its_own_signal_from_one_file_matches_the_oracle(compacting_dense):
+    """``throwaway_policy`` also registers a signal (each key's peak attention, captured chunk by chunk
+    inside SGLang's forward) and a policy reading it: served end to end, the keep set is the one the
+    HF producer's whole-context reference of that signal gives, and the child equals the HF oracle."""
+    from sglang_kvx.policies import get_policy
+    from sglang_kvx.reference.signals import context_signals
+    from sglang_kvx.select import choose_keep_set
+    from sglang_kvx.signals import CaptureSpec
+
+    server, ref = compacting_dense
+    context = ref.encode(text(200, seed=44))
+    compact(server, context, "_throwaway_peak", 0.3)
+    entry = stored(server, len(context), "_throwaway_peak", 0.3)
+    with throwaway_registered():  # the oracle reads the same file's signal and policy
+        signals = context_signals(ref, context, column_sums=False, queries=False,
+                                  signals=CaptureSpec(_throwaway_peak_attention=True))
+        offline = choose_keep_set(get_policy("_throwaway_peak")(), signals, 0.3)
+    served = served_keep_set(server, len(context), "_throwaway_peak", 0.3)
+    assert entry["kept_entries"] == offline.kept_per_layer
+    for got, expected in zip(served, offline.positions):
+        assert overlap(got, expected) >= 0.9
+    h2o = choose_keep_set(get_policy("h2o")(), context_signals(ref, context, queries=False), 0.3)
+    assert sum(overlap(a, b) for a, b in zip(offline.positions, h2o.positions)) < len(served)  # its own rule
+    question = ref.encode("Question: which word? Answer:")
+    body = ask(server, context, question, "_throwaway_peak", 0.3)
+    assert body["output_ids"] == ref.compacted_generate(context, served, question, 10)[0]
 
 
 def test_a_policy_from_one_file_is_served_and_matches_the_oracle(compacting_dense):

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 # Internal request ids: clients cannot send an id with this prefix (refused at the door).
 INTERNAL_RID_PREFIX = "kvx-internal-"
 PASS_RID_PREFIX = INTERNAL_RID_PREFIX + "pass-"
-PASS_CAPTURE = CaptureSpec(pass_queries=True)
+PASS_SIGNAL = "pass_queries"  # signals/pass_queries.py: what each pass records
+PASS_CAPTURE = CaptureSpec(**{PASS_SIGNAL: True})
 
 
 @dataclass
@@ -148,7 +149,7 @@ class SecondPassRunner:
         recording = self.recorder.take(request.row) if request.holds_kv else None
         start, end = job.passes.pop(request.rid)
         complete = (not request.aborted and request.finished and request.holds_kv and recording is not None
-                    and len(recording.pass_queries) == self.pool.num_layers)
+                    and len(recording.state(PASS_SIGNAL).chunks) == self.pool.num_layers)
         if not complete:
             job.failed = job.failed or f"reconstruction pass {request.rid} did not complete"
         else:
@@ -156,10 +157,10 @@ class SecondPassRunner:
             row = self.pool.row(request.row, len(request.input_ids))
             for layer in range(self.pool.num_layers):
                 keys = self.pool.read_keys(layer, row).transpose(0, 1).float()  # [Hkv, n + m, D]
-                queries = torch.cat(recording.pass_queries[layer]).transpose(0, 1)  # [Hq, m, D]
+                queries = recording.state(PASS_SIGNAL).queries(layer)  # [Hq, m, D]
                 job.rule.accumulate(job.totals[layer], queries, keys, start, end,
                                     protected_prefix_len=job.context.settings.protected_prefix_len,
-                                    scaling=recording.scaling[layer])
+                                    scaling=recording.state(PASS_SIGNAL).scaling[layer])
             job.accumulate_s += time.perf_counter() - t0
         if not job.passes:
             self._complete(job)

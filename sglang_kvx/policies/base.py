@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals
+from sglang_kvx.signals import CaptureSpec, ChunkScoring, ContextSignals, capture_for
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class KVPolicy:
     def captures(self) -> CaptureSpec:
         """What the server records for this policy inside a parent's prefill (keys and values are read
         from the pool afterwards). Attention-reading policies override it with their window."""
-        return CaptureSpec.for_signals(self.needs)
+        return capture_for(self.needs)
 
     def chunk_scoring(self) -> ChunkScoring | None:
         """For a policy whose score of an entry reads only that token's own signals: how the server

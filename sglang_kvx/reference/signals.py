@@ -4,10 +4,10 @@ The served producer lives in SGLang's forward; this one runs the same weights in
 transformers, so policies can be scored and evaluated (with the compaction
 oracle) without a server. One forward pass, nothing recomputed:
 
-- keys / values / window queries: a capturing attention function (registered in
+- keys / values: a capturing attention function (registered in
   transformers' AttentionInterface) sees each attention layer's post-RoPE q, k, v;
-- attention column sums (H2O): computed there, one query block at a time;
-- query statistics (TriAttention): there too, from all context queries un-rotated with their positions;
+- every query-reading signal asked for (SnapKV's window, H2O's column sums, TriAttention's query
+  statistics, a signal registered elsewhere): its own ``Signal.reference`` from the layer's whole q and k;
 - output gate (Qwen3.5 / Qwen3-Next): a forward hook on each attention q_proj;
 - GDN beta, g, ||v||: the module-level chunked delta rule is wrapped for the pass.
 """
@@ -15,14 +15,14 @@ oracle) without a server. One forward pass, nothing recomputed:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from sglang_kvx.signals.query_statistics import query_statistics
 from sglang_kvx.reference.hf import HFReference
-from sglang_kvx.signals import ContextSignals, GDNLayerSignals, QueryStatistics
+from sglang_kvx.signals import CaptureSpec, ContextSignals, GDNLayerSignals, ReferenceLayer, get_signal
 
 CAPTURE_ATTENTION = "kvx_signal_capture"
 _QUERY_BLOCK = 256
@@ -30,19 +30,18 @@ _QUERY_BLOCK = 256
 
 class _Capture:
     """What one forward records. ``lengths``: each batch row's real length (rows are right-padded to
-    the longest); ``windows``: how many last queries of each row to keep. Every per-layer list holds
-    the rows of a layer one after another (layer-major), so row b of layer l is entry l * B + b."""
+    the longest); ``specs``: what to produce for each row (each query-reading signal's ``reference``).
+    Every per-layer list holds the rows of a layer one after another (layer-major), so row b of
+    layer l is entry l * B + b."""
 
-    def __init__(self, lengths: list[int], windows: list[int], column_sums: bool, inv_freq: torch.Tensor | None = None) -> None:
+    def __init__(self, lengths: list[int], specs: list[CaptureSpec], inv_freq: Callable[[], torch.Tensor]) -> None:
         self.lengths = lengths
-        self.windows = windows
-        self.column_sums = column_sums
-        self.inv_freq = inv_freq  # RoPE frequencies: record query statistics when set
-        self.query_statistics: list[QueryStatistics] = []
+        self.specs = specs
+        self.inv_freq = inv_freq
+        names = sorted({name for spec in specs for name in spec if get_signal(name).reads_queries})
+        self.produced: dict[str, list] = {name: [] for name in names}  # signal -> layer-major values (None: row did not ask)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.window_queries: list[torch.Tensor] = []
-        self.attention_column_sums: list[torch.Tensor] = []
         self.gates: list[torch.Tensor] = []
         self.gdn: list[GDNLayerSignals] = []
 
@@ -50,7 +49,7 @@ class _Capture:
 _active: _Capture | None = None
 
 
-def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, col_sums: torch.Tensor | None) -> torch.Tensor:
+def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
     """Causal attention of one row, float32 [Hq, n, D] (k, v already repeated to Hq), one query block at a time."""
     n = q.shape[1]
     out = torch.empty_like(q)
@@ -59,10 +58,7 @@ def _row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: f
         end = min(start + _QUERY_BLOCK, n)
         logits = q[:, start:end] @ k.transpose(1, 2) * scaling
         future = positions[None, :] > positions[start:end, None]
-        probs = logits.masked_fill(future, float("-inf")).softmax(dim=-1)
-        out[:, start:end] = probs @ v
-        if col_sums is not None:
-            col_sums += probs.sum(dim=1)
+        out[:, start:end] = logits.masked_fill(future, float("-inf")).softmax(dim=-1) @ v
     return out
 
 
@@ -77,19 +73,17 @@ def _capturing_attention(module, query, key, value, attention_mask, scaling, dro
     lengths = capture.lengths if capture is not None else [query.shape[2]] * query.shape[0]
     for row, n in enumerate(lengths):
         q = query[row, :, :n].float()  # [Hq, n, D]
-        k = key[row, :, :n].float().repeat_interleave(group, dim=0)
-        v = value[row, :, :n].float().repeat_interleave(group, dim=0)
-        col_sums = torch.zeros(q.shape[0], n, device=q.device) if capture is not None and capture.column_sums else None
-        out[row, :, :n] = _row_attention(q, k, v, scaling, col_sums)
+        k = key[row, :, :n].float()
+        v = value[row, :, :n].float()
+        out[row, :, :n] = _row_attention(q, k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0), scaling)
         if capture is None:
             continue
-        capture.keys.append(key[row, :, :n].float().clone())
-        capture.values.append(value[row, :, :n].float().clone())
-        capture.window_queries.append(q[:, max(0, n - capture.windows[row]):].clone())
-        if col_sums is not None:
-            capture.attention_column_sums.append(col_sums)
-        if capture.inv_freq is not None:
-            capture.query_statistics.append(query_statistics(q, torch.arange(n, device=q.device), capture.inv_freq.to(q.device)))
+        capture.keys.append(k.clone())
+        capture.values.append(v.clone())
+        layer = ReferenceLayer(queries=q, keys=k, scaling=scaling, inv_freq=capture.inv_freq)
+        spec = capture.specs[row]
+        for name, produced in capture.produced.items():
+            produced.append(get_signal(name).reference(layer, spec.get(name)) if name in spec else None)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -134,10 +128,11 @@ def context_signals(
     protected_prefix_len: int = 0,
     column_sums: bool = True,
     queries: bool = True,
+    signals: CaptureSpec | None = None,
 ) -> ContextSignals:
     """Prefill ``context_ids`` once in HF and return everything a policy may read."""
     return batch_context_signals(ref, [context_ids], windows=[window], protected_prefix_len=protected_prefix_len,
-                                 column_sums=column_sums, queries=queries)[0]
+                                 column_sums=column_sums, queries=queries, signals=signals)[0]
 
 
 @torch.no_grad()
@@ -149,9 +144,13 @@ def batch_context_signals(
     protected_prefix_len: int = 0,
     column_sums: bool = True,
     queries: bool = True,
+    signals: CaptureSpec | None = None,
 ) -> list[ContextSignals]:
     """``context_signals`` of several sequences in one forward (right-padded to the longest), one
     ContextSignals per sequence, on the model's device; ``windows[i]``: window queries kept for sequence i.
+    The query-reading signals produced: SnapKV's window, H2O's column sums (``column_sums``),
+    TriAttention's statistics (``queries``), and any other registered signal ``signals`` names (each
+    by its ``Signal.reference``). Output gates and GDN signals are tapped whenever the model has them.
 
     Padding is exact for the real tokens: every layer of these models (attention, GDN's causal
     conv and chunked delta rule, norms, MLPs) is causal or per-token, so no real token reads a pad."""
@@ -163,8 +162,9 @@ def batch_context_signals(
     lengths = [len(ids) for ids in sequences]
     batch = len(sequences)
     AttentionInterface.register(CAPTURE_ATTENTION, _capturing_attention)
-    capture = _Capture(lengths=lengths, windows=list(windows), column_sums=column_sums,
-                       inv_freq=rope_inv_freq(model) if queries else None)
+    extra = signals if signals is not None else CaptureSpec()
+    specs = [CaptureSpec(window=w, column_sums=column_sums, query_statistics=queries) | extra for w in windows]
+    capture = _Capture(lengths=lengths, specs=specs, inv_freq=functools.cache(lambda: rope_inv_freq(model)))
     hooks = []
     layers = model.model.layers
     attention_ids = ref.attention_layer_ids
@@ -202,28 +202,29 @@ def batch_context_signals(
         """Layer-major captures -> one list per sequence (``empty`` when nothing was captured)."""
         return [entries[row::batch] for row in range(batch)] if entries else [empty] * batch
 
-    keys, values, window_queries = rows(capture.keys, []), rows(capture.values, []), rows(capture.window_queries, [])
-    col_sums, gates, stats, gdn = (rows(capture.attention_column_sums), rows(capture.gates),
-                                   rows(capture.query_statistics), rows(capture.gdn, []))
-    return [
-        ContextSignals(
+    keys, values = rows(capture.keys, []), rows(capture.values, [])
+    gates, gdn = rows(capture.gates), rows(capture.gdn, [])
+    produced = {name: rows(values_) for name, values_ in capture.produced.items()}
+    results = []
+    for row in range(batch):
+        result = ContextSignals(
             n=lengths[row],
             num_q_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             keys=keys[row],
             values=values[row],
-            window_queries=window_queries[row],
-            attention_column_sums=col_sums[row] if column_sums else None,
             output_gate=gates[row],
-            query_statistics=stats[row],
             gdn=gdn[row],
             gdn_layer_of_attention=gdn_before,
             protected_prefix_len=protected_prefix_len,
             rope_theta=_rope_theta(config),
         )
-        for row in range(batch)
-    ]
+        for name, per_row in produced.items():
+            if name in specs[row]:
+                result.put(get_signal(name).field, per_row[row])
+        results.append(result)
+    return results
 
 
 def rope_inv_freq(model) -> torch.Tensor:

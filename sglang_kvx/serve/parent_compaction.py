@@ -18,7 +18,7 @@ from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import KVPool, Request, TensorParallel
 from sglang_kvx.serve.admission import RequestState
 from sglang_kvx.settings import CompactionSettings
-from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads
+from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads, get_signal
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
 
@@ -118,14 +118,14 @@ class ParentCompaction:
         error = None
         try:
             if recording is not None:
-                recording.fill(signals, self.compactor.gdn_layer_ids, self.compactor.attention_layer_ids)
+                recording.fill(signals)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the ranks agreed
             error = exc
         spec = self.capture_spec(settings)
-        if self.tp is not None and (spec.gdn or spec.output_gate):
+        if self.tp is not None and any(get_signal(name).per_rank for name in spec):
             if not self.tp.all_agree(error is None):
                 raise error or RuntimeError("sglang_kvx: another tensor-parallel rank failed to record this context")
-            gather_heads(signals, self.tp, self.num_kv_heads_total)
+            gather_heads(signals, spec, self.tp, self.num_kv_heads_total)
         if error is not None:
             raise error
 

@@ -32,7 +32,7 @@ from sglang_kvx.serve.parent_compaction import ParentCompaction
 from sglang_kvx.serve.shared_prefixes import SharedPrefixes
 from sglang_kvx.serve.sparse_index import SparseIndex
 from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
-from sglang_kvx.signals import CaptureSpec
+from sglang_kvx.signals import CaptureSpec, capture_for
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
 
@@ -193,7 +193,7 @@ class Runtime:
                                     policy.chunk_scoring() if self.tp is None else None)
 
     def capture_spec(self, settings: CompactionSettings) -> CaptureSpec:
-        return self.policy(settings.policy).captures() | CaptureSpec.for_signals(allocation_needs(settings.allocation))
+        return self.policy(settings.policy).captures() | capture_for(allocation_needs(settings.allocation))
 
     # --- requests leaving ---------------------------------------------------------------
 

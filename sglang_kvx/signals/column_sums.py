@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_kvx.signals.base import QueryChunk, ReferenceLayer, Signal, register_signal
+
 
 def sum_over_kv_groups(per_query_head: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[q_heads, ...] -> [kv_heads, ...]: sum the query heads sharing each KV head (query head h reads KV head h // group)."""
@@ -39,3 +41,42 @@ def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tenso
         future = key_positions[None, :] > query_positions[:, None]
         block_sums = logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)  # [q_heads, S]
         sums[:, :seq_len] += sum_over_kv_groups(block_sums, sums.shape[0])
+
+
+class ColumnSumsState:
+    def __init__(self, n: int, num_layers: int) -> None:
+        self.n = n
+        self.sums: list[torch.Tensor | None] = [None] * num_layers  # [kv_heads, n]
+
+
+@register_signal
+class ColumnSums(Signal):
+    name = "column_sums"
+    field = "attention_column_sums"
+    reads_queries = True
+
+    def start(self, n: int, num_layers: int, option: int, setup) -> ColumnSumsState:
+        return ColumnSumsState(n, num_layers)
+
+    def on_queries(self, state: ColumnSumsState, chunk: QueryChunk) -> None:
+        keys = chunk.keys
+        if state.sums[chunk.layer] is None:  # per KV head: a group's size less to hold
+            state.sums[chunk.layer] = torch.zeros(keys.shape[1], state.n, device=chunk.queries.device)
+        add_column_sums(state.sums[chunk.layer], chunk.queries, keys, chunk.scaling, chunk.positions.start)
+
+    def fill(self, state: ColumnSumsState, signals) -> None:
+        signals.put(self.field, list(state.sums))
+
+    def reference(self, layer: ReferenceLayer, option: int) -> torch.Tensor:
+        """Per query head [q_heads, n]: the whole causal softmax matrix, summed over its rows, one block
+        of queries at a time (written apart from ``add_column_sums``: it checks that one)."""
+        queries = layer.queries
+        keys = layer.keys.repeat_interleave(queries.shape[0] // layer.keys.shape[0], dim=0)
+        n = queries.shape[1]
+        sums = torch.zeros(queries.shape[0], n, device=queries.device)
+        for start in range(0, n, 256):
+            end = min(start + 256, n)
+            logits = queries[:, start:end] @ keys.transpose(1, 2) * layer.scaling
+            mask = torch.ones(end - start, n, dtype=torch.bool, device=queries.device).triu(start + 1)
+            sums += logits.masked_fill(mask, float("-inf")).softmax(dim=-1).sum(dim=1)
+        return sums

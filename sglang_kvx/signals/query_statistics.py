@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.signals import QueryStatistics
+from sglang_kvx.signals.base import QueryChunk, QueryStatistics, ReferenceLayer, Signal, register_signal
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -61,3 +61,26 @@ def combine_query_statistics(parts: list[QueryStatistics]) -> QueryStatistics:
         inv_freq=parts[0].inv_freq,
         count=total,
     )
+
+
+@register_signal
+class QueryStatisticsSignal(Signal):
+    name = "query_statistics"
+    field = "query_statistics"
+    provides = "queries"
+    reads_queries = True
+
+    def start(self, n: int, num_layers: int, option: int, setup) -> dict[int, list[QueryStatistics]]:
+        return {layer: [] for layer in range(num_layers)}  # attention layer -> per-chunk statistics
+
+    def on_queries(self, state: dict[int, list[QueryStatistics]], chunk: QueryChunk) -> None:
+        queries = chunk.queries
+        positions = torch.arange(chunk.positions.start, chunk.positions.start + queries.shape[0], device=queries.device)
+        state[chunk.layer].append(query_statistics(queries.transpose(0, 1), positions, chunk.inv_freq))
+
+    def fill(self, state: dict[int, list[QueryStatistics]], signals) -> None:
+        signals.put(self.field, [combine_query_statistics(state[layer]) for layer in range(len(state))])
+
+    def reference(self, layer: ReferenceLayer, option: int) -> QueryStatistics:
+        queries = layer.queries
+        return query_statistics(queries, torch.arange(queries.shape[1], device=queries.device), layer.inv_freq().to(queries.device))
