@@ -95,6 +95,17 @@ def flag_count(raw: str | int, flag: str, limit: int = MAX_TOKENS) -> int:
     return value
 
 
+def flag_gigabytes(raw: str | float, flag: str, limit: float = 1 << 20) -> float:
+    """A size in GB in [0, limit] (0 = off): a finite number, so a typo never sizes a tier at infinity."""
+    try:
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{flag} must be a number of GB >= 0, got {_short(raw)}") from None
+    if not 0.0 <= value <= limit:  # NaN fails both comparisons
+        raise ValueError(f"{flag} must be a number of GB in [0, {limit:g}], got {_short(raw)}")
+    return value
+
+
 def flag_on_off(raw: str | bool, flag: str) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -258,6 +269,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sparse_attention", "Block-sparse attention for every request: each query attends to this many tokens "
             "(a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a "
             "mean-key indexer; 0 = dense attention.", "0", flag_sparse_budget, attr="sparse_budget"),
+    Setting("host_store_gb", "Host memory (GB) for compacted contexts evicted from the KV pool: a child of one is "
+            "served by copying its kept entries back instead of a new prefill and compaction; least recently used "
+            "first out; 0 = off (an evicted context is dropped).",
+            "0", lambda raw: flag_gigabytes(raw, "--kvx-host-store-gb")),
     Setting("policy_modules", "Comma-separated Python modules imported first in every server process: each "
             "registers its own policies with @register_policy.", "", _text),
 )

@@ -101,6 +101,7 @@ class ServerDefaults:
     page_size: int = 1  # SGLang's --page-size
     sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
     decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
+    host_store_gb: float = 0.0  # --kvx-host-store-gb: host memory for contexts evicted from the pool (0: off)
 
     @property
     def facts(self) -> ServingFacts:

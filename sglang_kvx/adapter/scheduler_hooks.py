@@ -93,7 +93,7 @@ def build_runtime(scheduler, config):
         min_store_fraction=config.min_store_fraction, growth_estimate_cap=growth_estimate_cap(),
         decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
         gate_tau=config.gate_tau, page_size=int(scheduler.page_size), sparse_budget=config.sparse_budget,
-        decode_steps=config.decode_steps, reserved_tenants=config.reserved_tenants,
+        decode_steps=config.decode_steps, reserved_tenants=config.reserved_tenants, host_store_gb=config.host_store_gb,
     )
 
     def submit(rid: str, input_ids: list[int], compact: bool = False) -> None:

@@ -126,17 +126,19 @@ class Admission:
                 return False
             self._check_parent(request, state)
             return False
-        context = None
+        context, restored_from, restore_problem = None, None, None
         # Without a policy of its own or the server's, a request reads no compacted context (another
         # client's parent named one): it is plain, whatever the store holds.
         names_a_policy = state.fields.policy is not None or get_policy(self.defaults.policy).compacts
         if state.fields.policy is not None and self.settings_of(request, state) is None:
             return False  # the settings a request names are checked whether or not the store holds a context
-        if len(self.store) and not state.fields.wants_full_cache and names_a_policy:
+        if (len(self.store) or self.eviction.tiering.holds_any()) and not state.fields.wants_full_cache and names_a_policy:
             settings = self.settings_of(request, state)
             if settings is None:
                 return False
             context = self.store.longest_prefix_of(request.input_ids, settings)
+            if self.eviction.tiering.holds_any():
+                context, restored_from, restore_problem = self.eviction.from_tiers(request.input_ids, settings, context, tenant)
         logprobs_from = request.input_logprobs_from
         if context is not None and logprobs_from is not None and logprobs_from < context.n:
             # Log-probabilities of the context's own tokens need its whole cache, as on a plain server:
@@ -146,6 +148,8 @@ class Admission:
                                        f"({context.n} tokens): served with the full cache"}
             context = None
         if context is None:
+            if restore_problem is not None:  # its context is in a tier the pool could not take it back from
+                state.outcome = {"child": False, "reason": restore_problem}
             self._no_room_ever(request, self.eviction.make_room(wanted, tenant=tenant))
             return False
         if state.decode is not None and context.layout.per_head:
@@ -174,6 +178,9 @@ class Admission:
         self._adopt(state, context)
         state.outcome = {"child": True, "context_tokens": context.n, "slots": context.num_slots,
                          "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
+        if restored_from is not None or restore_problem is not None:
+            state.outcome.update({"restored_from": restored_from, "restore_s": context.timings["restore_s"]}
+                                 if restored_from is not None else {"restore_failed": restore_problem})
         return True
 
     @staticmethod
@@ -275,5 +282,6 @@ class Admission:
 
     def forget_all(self) -> None:
         self.store.contexts.clear()
+        self.eviction.tiering.clear()  # /flush_cache empties every tier too
         self.row_context.clear()
         self.position_offset.zero_()

@@ -9,7 +9,8 @@ from typing import Callable
 
 from sglang_kvx.ports import KVPool
 from sglang_kvx.serve.tenant_reserve import TenantReserve
-from sglang_kvx.settings import ServerDefaults
+from sglang_kvx.serve.tiering import GB, Tiering
+from sglang_kvx.settings import CompactionSettings, ServerDefaults
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ class StoreEviction:
         self.evicted = 0
         self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
         self.refused = 0  # times the rest of the store was reserved or in use: no eviction
+        # Where evicted contexts go instead of nowhere (--kvx-host-store-gb), and come back from.
+        self.tiering = Tiering(pool, int(defaults.host_store_gb * GB))
 
     def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
@@ -52,11 +55,28 @@ class StoreEviction:
                 self.refused += 1  # what is left is reserved or in use
                 return self._never_fits(tokens, room, keep, reserved, tenant)
             victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
-            self.store.remove(victim)
-            self.pool.free(victim.slots)
-            self.evicted += 1
+            self.evict(victim)
             room = self.pool.room()
             logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def evict(self, victim: CompactedContext) -> None:
+        """Out of the pool: its kept entries are copied to the tiers below (when on) before its slots are freed."""
+        self.tiering.offload(victim)
+        self.store.remove(victim)
+        self.pool.free(victim.slots)
+        self.evicted += 1
+
+    def from_tiers(self, prompt_ids, settings: CompactionSettings, context: CompactedContext | None,
+                   tenant: str | None) -> tuple[CompactedContext | None, str | None, str | None]:
+        """A context longer than the pool's best for this prompt (``context``), held in a tier below the
+        pool, back in the store -- a child then reads what it would have read had the context never
+        left. (context to read, the tier it came back from, why a restore failed): the pool's best on failure."""
+        restored, why = self.tiering.restore(prompt_ids, settings, context.n if context is not None else 0,
+                                             make_room=lambda count: self.make_room(count, tenant=tenant))
+        if restored is None:
+            return context, None, why
+        self.store.add(restored)
+        return restored, restored.timings["restored_from"], None
 
     def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],
                     tenant: str | None) -> str | None:
