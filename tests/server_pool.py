@@ -57,7 +57,8 @@ SERVER_ARGS = ("--context-length", "4096")
 MAX_TOTAL_TOKENS = 8192
 SPARSE_BUDGET = 32  # tokens per query on the shared sparse servers: 8 four-token blocks
 CHUNK = 512  # prefill chunk of the shared chunked-prefill server
-SHARED_KINDS = ("plain", "compacting", "recomputing", "chunked", "sparse", "gated_cell")
+SHARED_KINDS = ("plain", "compacting", "recomputing", "chunked", "sparse", "gated_cell", "tiered")
+TIERED_POOL = 2048  # the host-tier server's KV pool: one long request evicts every stored context
 
 
 def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: dict[str, str] | None = None) -> ServerSpec:
@@ -87,6 +88,11 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
         # one-file step of tests/throwaway_decode.py), float32
         return spec(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--kvx-policy-modules", "throwaway_decode",
                     max_total_tokens=4096, env=env)
+    if kind == "tiered":  # a small pool, no store reserve (any request may evict), contexts evicted to
+        # host memory (issue #44), /metrics
+        return spec(path, "--context-length", str(TIERED_POOL), "--kvx-policy", "knorm", "--kvx-keep-fraction", "0.5",
+                    "--kvx-min-store-fraction", "0", "--kvx-host-store-gb", "0.5", "--enable-metrics",
+                    max_total_tokens=TIERED_POOL)
     raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
 
 
@@ -95,7 +101,7 @@ def whole_pool_problem(stats: dict) -> str | None:
     ranks = stats["ranks"] if "ranks" in stats else [stats]
     for rank in ranks:
         total, free = rank["kv_pool_total_tokens"], rank["kv_pool_free_tokens"]
-        leftovers = {key: rank[key] for key in ("store_slots", "decode_rows", "second_passes_pending")
+        leftovers = {key: rank[key] for key in ("store_slots", "decode_rows", "second_passes_pending", "host_contexts")
                      if rank.get(key)}
         if rank.get("compacted_contexts"):
             leftovers["compacted_contexts"] = len(rank["compacted_contexts"])

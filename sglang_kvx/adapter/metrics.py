@@ -21,12 +21,20 @@ COUNTERS = {
                                       "Parents whose kept entries, in whole pages, would fill the whole context."),
     "contexts_evicted": ("sglang:kvx_contexts_evicted_total", "Compacted contexts evicted to make room."),
     "bytes_freed": ("sglang:kvx_bytes_freed_total", "KV bytes compaction gave back to the pool (all attention layers)."),
+    "host_contexts_stored": ("sglang:kvx_host_contexts_stored_total", "Compacted contexts the pool evicted into host memory."),
+    "host_contexts_dropped": ("sglang:kvx_host_contexts_dropped_total", "Contexts host memory let go for room (or could not hold)."),
+    "host_restores": ("sglang:kvx_host_restores_total", "Contexts copied back from host memory into the pool for a child."),
+    "host_restore_seconds": ("sglang:kvx_host_restore_seconds_total", "Seconds spent copying contexts back from host memory."),
+    "restore_failures": ("sglang:kvx_restore_failures_total", "Children served by a full prefill: the pool could not take their context back."),
     "oda_routed_steps": ("sglang:kvx_oda_routed_steps_total", "Decode steps On-Demand Attention routed."),
     "oda_full_steps": ("sglang:kvx_oda_full_steps_total", "Routed steps re-run with Full attention."),
 }
 GAUGES = {
     "store_slots": ("sglang:kvx_store_slots", "KV pool slots held by compacted contexts."),
     "store_reserved_slots": ("sglang:kvx_store_reserved_slots", "Store slots within the tenants' reserved shares."),
+    "pool_context_bytes": ("sglang:kvx_pool_context_bytes", "KV bytes of the compacted contexts in the pool."),
+    "host_contexts": ("sglang:kvx_host_contexts", "Compacted contexts held in host memory."),
+    "host_bytes": ("sglang:kvx_host_bytes", "Bytes of the compacted contexts held in host memory."),
     "second_passes_pending": ("sglang:kvx_second_passes_pending", "Second passes (KVzip's reconstruction) not yet run."),
 }
 SCORING = ("sglang:kvx_scoring_seconds", "Time to score, allocate and select one context's keep-set.")

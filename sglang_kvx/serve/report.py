@@ -36,6 +36,10 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "sparse_index_blocks_built": runtime.sparse_index.blocks_built,  # compressed keys built (not reused)
         "shared_prefixes_seen": runtime.shared.seen,  # plain requests repeating an unmarked long beginning
         "auto_contexts_queued": runtime.auto_contexts,
+        # Per tier: the pool's compacted contexts, and (--kvx-host-store-gb) host memory's with its restores.
+        "pool_contexts": len(runtime.store),
+        "pool_context_bytes": runtime.store.slots_held() * runtime.pool.bytes_per_entry * runtime.pool.num_layers,
+        **runtime.admission.eviction.tiering.counts(),
     }
 
 
@@ -56,6 +60,8 @@ def runtime_stats(runtime) -> dict[str, Any]:
         "compacted_contexts": [_with_sparse_index(runtime, c.summary(), c) for c in contexts],
         **runtime_counts(runtime),
         "last_compaction_error": runtime.errors[-1] if runtime.errors else None,
+        "host_compacted_contexts": runtime.admission.eviction.tiering.host.summaries(),
+        "last_restore_failure": runtime.admission.eviction.tiering.last_restore_failure,
         # Running requests by their decode step's report (ODA's routing, learned-gate deletions, per-head live entries).
         **runtime.decode.reports(),
         # Each decode step's per-layer figures (learned-gate eviction: entries deleted after the prefill and during decode).
