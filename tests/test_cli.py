@@ -158,7 +158,7 @@ def test_every_flag_takes_hostile_values_with_one_line_or_starts(launch_parser, 
             outcomes[setting.flag, value] = result.returncode
     # What must be refused is refused (not merely not crashing).
     for flag in ("--kvx-keep-fraction", "--kvx-min-store-fraction", "--kvx-protected-prefix-len",
-                 "--kvx-sparse-attention", "--kvx-auto-context-min-tokens", "--kvx-decode-steps"):
+                 "--kvx-sparse-attention", "--kvx-auto-context-min-tokens", "--kvx-decode-steps", "--kvx-host-store-gb"):
         for value in ("-1", "abc", "1e309", "nan", "99999999999999999999999"):
             assert outcomes[flag, value] == 2, (flag, value)
     assert outcomes["--kvx-policy-modules", "..x"] == 2
