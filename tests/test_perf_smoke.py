@@ -190,6 +190,14 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
         has(r, "scores", "per_sample", "sink")
         assert set(r["scores"]) == {"full", "flat@0.5", "global@0.5"} and all(0 <= v <= 100 for v in r["scores"].values())
 
+        tiered = shared_server("tiered", "tiny-llama")  # the host tier on, no store reserve
+        r = run("bench_tiers.py", "--lengths", "256", "--repeats", "1", "--url", tiered.url)
+        has(r, "model", "keep_fraction", "lengths", "server")
+        row = r["lengths"]["256"]
+        has(row, "full_prefill_child_s", "reprefill_compaction_s", "child_from_pool_s", "restore_s", "child_restored_s",
+            "reprefill_compaction_over_restore", "child_speedup", "host_bytes", "slots")
+        assert r["server"]["pool_tokens"] == tiered.stats()["kv_pool_total_tokens"] and row["restore_s"] > 0
+
         r = run("bench_cpu_extend.py", "--cases", "300+1,100+200")
         has(r, "shape", "cases")
         for row in r["cases"].values():
