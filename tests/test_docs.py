@@ -214,7 +214,7 @@ def help_in_process(key: str) -> str:
     return out.getvalue()
 
 
-LAUNCHER = ["-m", "sglang" + ".launch_server", "--help"]  # SGLang's own launcher, plugins loaded: only --help
+LAUNCHER = ["-m", "sglang.launch_server", "--help"]  # SGLang's own launcher, plugins loaded: only its --help
 
 
 def launcher_help() -> str:
@@ -297,7 +297,7 @@ def test_every_flag_the_docs_name_is_offered_by_its_command():
 
 
 def test_the_flag_attribution_can_fail():
-    pairs = attributed_flags("```bash\npython -m sglang.launch_server --kvx-policy x \\\n    --kvx-nope 1\n```\n\n"
+    pairs = attributed_flags("```bash\nsglang-kvx serve --kvx-policy x \\\n    --kvx-nope 1\n```\n\n"
                              "Run `python perf/bench_oda.py --lengths 1` then `... --window 2`; `--kvx-decode`,\n"
                              "every `--kvx-*` flag.\n")
     assert sorted(pairs, key=str) == sorted([("launch_server", "--kvx-policy"), ("launch_server", "--kvx-nope"),
@@ -381,3 +381,21 @@ def test_the_quick_start_frontend_program_forks_children(quick_start_server, tmp
     assert len(answers) == 2 and all(isinstance(answer, str) for answer in answers)
     [context] = quick_start_server.stats()["compacted_contexts"]
     assert context["reuse_count"] == 2
+
+
+# --- what the server reports: the names the docs give exist in the code -----------------------------
+
+
+def package_source() -> str:
+    return "\n".join(path.read_text() for path in (ROOT / "sglang_kvx").rglob("*.py"))
+
+
+def test_the_stats_keys_and_metrics_serving_md_names_exist_in_the_code():
+    serving = text_of(ROOT / "docs" / "serving.md")
+    stats_section = serving.split("## /kvx/stats", 1)[1].split("\n## ", 1)[0]
+    source = package_source()
+    keys = {key for key in CODE_SPAN.findall(stats_section) if re.fullmatch(r"[a-z][a-z0-9_]+", key)}
+    missing = sorted(key for key in keys if f'"{key}"' not in source and f"{key}:" not in source)
+    assert not missing, f"docs/serving.md names /kvx/stats keys the code does not report: {missing}"
+    metrics = set(re.findall(r"sglang:kvx_[a-z_]+", "\n".join(text_of(doc) for doc in DOCS)))
+    assert metrics and not sorted(m for m in metrics if f'"{m}"' not in source), "metrics the code does not declare"
