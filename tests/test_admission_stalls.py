@@ -2,7 +2,8 @@
 
 The stall once reported: with contexts stored under the store's reserve, a request needing more
 slots than the pool minus that reserve waited forever, and every request behind it too (an 8-token
-probe took 94 s); ``max_new_tokens: null`` ended in a 500 after 150 s. The shared servers cannot
+probe took 94 s); ``max_new_tokens: null`` ended in a 500 after 150 s (now: it generates up to the room
+the reserve leaves, as plain SGLang up to the pool). The shared servers cannot
 show it (their context length is below the pool minus the reserve), so this file starts one of its
 own whose context length is the whole pool. Every request runs under a watchdog: an answer within
 ``WATCHDOG`` seconds or the test fails.
@@ -56,6 +57,15 @@ def test_requests_the_reserve_blocks_are_refused_at_once_and_block_nobody(demo_p
             assert "--kvx-min-store-fraction" in refused.text and seconds < 5, (seconds, refused.text)
             answered, seconds = _timed(server, probe)  # nothing queued behind it
             assert answered.status_code == 200 and answered.json()["output_ids"] == expected and seconds < 5, seconds
+        # max_new_tokens null with a prompt that fits: generated up to the room the reserve leaves, as
+        # plain SGLang generates up to the pool (finish reason "length"), never refused or stalled.
+        unbounded, seconds = _timed(server, {"input_ids": _ids(900, 11), "sampling_params": {
+            "max_new_tokens": None, "ignore_eos": True}})
+        assert unbounded.status_code == 200, unbounded.text
+        meta = unbounded.json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and 100 < meta["completion_tokens"] <= POOL - 900 - 900, meta
+        answered, seconds = _timed(server, probe)
+        assert answered.status_code == 200 and answered.json()["output_ids"] == expected and seconds < 5, seconds
         # What fits beside the reserve is served, in full.
         fits, _ = _timed(server, {"input_ids": _ids(900, 10), "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}})
         assert fits.status_code == 200 and len(fits.json()["output_ids"]) == 200, fits.text

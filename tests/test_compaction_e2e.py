@@ -435,3 +435,32 @@ def test_parallel_sampling_leaves_no_unrequested_context(compacting):
     assert not [c for c in server.stats()["compacted_contexts"] if c["context_tokens"] == len(prompt)]
     compact(server, prompt, "knorm", 0.5)  # the same prompt sent as a context is compacted as usual
     assert stored(server, len(prompt), "knorm", 0.5)["slots"] > 0
+
+
+def test_a_kvzip_child_sent_before_the_passes_end_waits_for_them(shared_server, references):
+    """A child of a context whose reconstruction passes still run stays queued until they end, then
+    reads the compacted context: the same tokens as the child sent once the passes are done (before,
+    it read the full cache, so its tokens depended on timing). On the chunked-prefill server the
+    passes take several scheduler rounds, so a child sent on the parent's answer arrives while they
+    run; its response says how long it waited."""
+    server, ref = shared_server("chunked", "tiny-llama"), references["tiny-llama"]
+    question = ref.encode("Question: which word comes next? Answer:")
+    waited = None
+    for attempt in range(3):  # a fast machine may finish the passes before the child arrives: again
+        context = ref.encode(text(900, seed=46 + attempt))
+        before = server.stats()["children_waited_for_second_passes"]
+        parent = generate(server, context, 0, sampling=kvx("kvzip", 0.2))
+        assert parent["meta_info"]["kvx"][0].get("pending"), parent["meta_info"]
+        early = ask(server, context, question, "kvzip", 0.2)
+        outcome = early["meta_info"]["kvx"][0]
+        assert outcome["child"] is True, early["meta_info"]
+        if "waited_for_second_passes_s" in outcome:
+            assert server.stats()["children_waited_for_second_passes"] == before + 1
+            waited = (context, early)
+            break
+    assert waited is not None, "no child arrived while its context's passes ran, in 3 tries"
+    context, early = waited
+    late = ask(server, context, question, "kvzip", 0.2)
+    assert "waited_for_second_passes_s" not in late["meta_info"]["kvx"][0]
+    assert early["output_ids"] == late["output_ids"]
+    assert early["meta_info"]["cached_tokens"] == late["meta_info"]["cached_tokens"] < len(context)

@@ -224,3 +224,32 @@ def test_inventing_tenant_names_cannot_dilute_a_seated_tenants_share():
     assert victim in store.contexts.values() and admission.eviction.evicted > 0
     admission.eviction.make_room(1100)  # an untagged request asking for nearly the whole pool: never the victim's context
     assert victim in store.contexts.values()
+
+
+def test_a_decode_step_short_of_room_takes_idle_unreserved_contexts_only():
+    """The running requests' next decode step lacks room (SGLang would retract one of them, which cannot
+    take the store's slots): idle contexts no reserve keeps go first, oldest first; a context in use or
+    within the reserve never does."""
+    pool = TensorPool(slots=17)  # 16 usable
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.3), num_rows=4)
+    in_use, old, middle, recent = _store_with(pool, store, [2, 3, 3, 4])  # 0.3 x 17 = 5: the most recent reserved
+    in_use.active_children = 1
+    running = pool.alloc(pool.room())  # the running requests hold every free slot
+    assert admission.eviction.free_for_decode(2) and list(store.contexts.values()) == [in_use, middle, recent]
+    assert pool.room() == 3  # the oldest idle context's 3 slots: enough, so the middle one stays
+    assert admission.eviction.free_for_decode(6) and list(store.contexts.values()) == [in_use, recent]
+    assert not admission.eviction.free_for_decode(20)  # only the reserved and the in-use contexts are left
+    assert list(store.contexts.values()) == [in_use, recent] and admission.eviction.evicted == 2
+    pool.free(running)
+
+
+def test_what_a_request_can_never_evict_is_the_other_tenants_reserve():
+    pool = TensorPool(slots=33)
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.5), num_rows=4)
+    _store_with(pool, store, [4, 5, 6], tenants=["a", "b", None])
+    reserved = admission.eviction.reserved_slots()
+    assert reserved == 15  # 0.5 x 33 = 16 slots of reserve hold all three
+    assert admission.eviction.kept_from(None) == 15  # an untagged request evicts no reserved context
+    assert admission.eviction.kept_from("a") == 11 and admission.eviction.kept_from("b") == 10  # its own it may

@@ -22,12 +22,17 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class": ("after_get_output_streamer_class", HOOK_AFTER),
     # Where a request's prefix is matched: a child takes the store's rank slots instead.
     "sglang.srt.managers.schedule_batch.Req.init_next_round_input": ("around_init_next_round_input", HOOK_AROUND),
+    # Where a queued request joins the next prefill: a child whose context is still being scored waits.
+    "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": ("around_add_one_req", HOOK_AROUND),
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices": (
         "around_prefix_device_indices", HOOK_AROUND),
     # Rows are assigned here: children's offsets and recurrent states, parents' recordings.
     "sglang.srt.mem_cache.allocation.alloc_for_extend": ("after_alloc_for_extend", HOOK_AFTER),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("after_forward_batch_init", HOOK_AFTER),
     "sglang.srt.mem_cache.common.release_kv_cache": ("around_release_kv_cache", HOOK_AROUND),
+    # The decode step's room: idle unreserved compacted contexts go before SGLang retracts a request.
+    "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.check_decode_capacity": (
+        "around_check_decode_capacity", HOOK_AROUND),
     # SGLang clips a generation to what the pool could hold; a decode step bounding live KV lifts that.
     "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens": ("around_init_req_max_new_tokens", HOOK_AROUND),
     # One decode forward: each row's span, a re-run where a decode step asks, then its drops.
@@ -102,6 +107,7 @@ IMPORTED: list[str] = [
     "sglang.srt.mem_cache.common.evict_from_tree_cache",
     "sglang.srt.distributed.get_tp_group",
     "sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS",
+    "sglang.srt.managers.schedule_policy.AddReqResult",
     "sglang.srt.managers.io_struct.TokenizedGenerateReqInput",
     "sglang.srt.managers.schedule_batch.FINISH_ABORT",
     "sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode",
@@ -120,6 +126,7 @@ ATTRIBUTES: dict[str, list[str]] = {
         "skip_radix_cache_insert", "finished_output", "finished_reason", "to_finish", "set_finish_with_abort",
         "finished", "owned_kv_len",
     ],
+    "sglang.srt.managers.schedule_policy.PrefillAdder": ["tree_cache"],
     "sglang.srt.managers.scheduler.Scheduler": [
         "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "page_size", "server_args",
         "model_config", "max_total_num_tokens", "handle_generate_request", "metrics_collector",

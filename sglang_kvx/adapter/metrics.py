@@ -20,6 +20,8 @@ COUNTERS = {
     "compactions_skipped_keeps_all": ("sglang:kvx_compactions_skipped_keeps_all_total",
                                       "Parents whose kept entries, in whole pages, would fill the whole context."),
     "contexts_evicted": ("sglang:kvx_contexts_evicted_total", "Compacted contexts evicted to make room."),
+    "children_waited_for_second_passes": ("sglang:kvx_children_waited_for_second_passes_total",
+                                          "Children queued until their context's second passes ended."),
     "bytes_freed": ("sglang:kvx_bytes_freed_total", "KV bytes compaction gave back to the pool (all attention layers)."),
     "host_contexts_stored": ("sglang:kvx_host_contexts_stored_total", "Compacted contexts the pool evicted into host memory."),
     "host_contexts_dropped": ("sglang:kvx_host_contexts_dropped_total", "Contexts host memory let go for room (or could not hold)."),

@@ -179,7 +179,8 @@ def around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None)
     if plan is None:
         return original(req, tree_cache, cow_mamba)
     # Refresh the fill ids without touching the tree and take an empty match at the root: a parent
-    # then prefills its whole context; a child claims the stored rank slots as its protected prefix.
+    # then prefills its whole context; a child claims the stored rank slots as its protected prefix;
+    # a waiting child holds nothing of the tree (around_add_one_req keeps it queued).
     from array import array
 
     from sglang.srt.mem_cache.common import match_kv_cache
@@ -192,6 +193,16 @@ def around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None)
     req.prefix_len = num_slots
     req.num_matched_prefix_tokens = num_slots
     req.kv.cache_protected_len = num_slots  # SGLang frees only what lies past it
+
+
+def around_add_one_req(original, adder, req, *args, **kwargs):
+    """A child waiting for its context's second passes stays in the queue; the requests behind it go on."""
+    runtime = runtime_of(adder.tree_cache.req_to_token_pool)
+    if runtime is not None and runtime.waits(SGLangRequest(req)):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.CONTINUE
+    return original(adder, req, *args, **kwargs)
 
 
 def around_prefix_device_indices(original, tree_cache, req):
@@ -211,13 +222,29 @@ def around_init_req_max_new_tokens(original, scheduler, req, *args, **kwargs):
     requested = req.sampling_params.max_new_tokens
     result = original(scheduler, req, *args, **kwargs)
     runtime = runtime_of(scheduler.req_to_token_pool)
-    if runtime is not None and requested is not None and req.to_finish is None:
+    if runtime is not None and requested is None and req.to_finish is None:
+        # max_new_tokens null: SGLang's clip is the whole pool; the store's reserve holds part of it.
+        bound = runtime.growth_bound(SGLangRequest(req), req.sampling_params.max_new_tokens)
+        if bound is not None:
+            req.sampling_params.max_new_tokens = bound
+    elif runtime is not None and req.to_finish is None:
         # SGLang's max_req_len is bounded by the pool too; the model's context length is the limit here.
         bound = runtime.bounded_max_new_tokens(SGLangRequest(req), requested, scheduler.model_config.context_len,
                                                scheduler.max_total_num_tokens)
         if bound is not None and bound > req.sampling_params.max_new_tokens:
             req.sampling_params.max_new_tokens = bound
     return result
+
+
+def around_check_decode_capacity(original, allocator, *args, **kwargs):
+    """A decode step that does not fit: the store gives up idle unreserved contexts before SGLang retracts."""
+    if original(allocator, *args, **kwargs):
+        return True
+    tree_cache = kwargs.get("tree_cache")
+    runtime = runtime_of(tree_cache.req_to_token_pool) if tree_cache is not None else None
+    if runtime is None or not runtime.make_decode_room(kwargs.get("num_tokens", 0)):
+        return False
+    return original(allocator, *args, **kwargs)
 
 
 def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):

@@ -102,6 +102,15 @@ class SecondPassRunner:
         jobs = {id(job): job for job in self.jobs.values()}
         return sum(job.context.num_slots for job in jobs.values())
 
+    def pending_for(self, prompt_ids, settings: CompactionSettings | None) -> bool:
+        """Whether a held context with ``settings`` (None: any) that the prompt strictly extends is still
+        being scored by its passes (a child of it then waits for its compaction)."""
+        if not self.jobs:
+            return False
+        contexts = {id(job.context): job.context for job in self.jobs.values()}.values()
+        return any((settings is None or c.settings == settings) and c.n < len(prompt_ids) and tuple(prompt_ids[: c.n]) == c.context_ids
+                   for c in contexts)
+
     def context_of_pass(self, rid: str) -> CompactedContext | None:
         job = self.jobs.get(rid)
         return job.context if job is not None else None

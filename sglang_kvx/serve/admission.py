@@ -42,6 +42,8 @@ class RequestState:
     decode: DecodeSettings | None = None  # the decode step it runs (its own or --kvx-decode's)
     prefix_checked: bool = False  # a plain request was compared with earlier prompts (shared beginnings)
     built_step: DecodeStep | None = None  # ``decode`` built, once (``decode_step``)
+    waits: bool = False  # a child whose context's second passes still run: it stays queued until they end
+    waited_since: float | None = None  # when it first waited (its response says how long)
 
     def decode_step(self) -> DecodeStep:
         """The request's decode step, built on first use and kept: one instance per request, which
@@ -54,8 +56,12 @@ class RequestState:
 class Admission:
     def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, num_rows: int,
                  parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None,
-                 held_slots: Callable[[], int] | None = None) -> None:
+                 held_slots: Callable[[], int] | None = None,
+                 passes_pending: Callable[[list[int], CompactionSettings | None], bool] = lambda ids, settings: False) -> None:
         self.pool = pool
+        # (prompt, settings) -> a context the prompt extends is still being scored (KVzip); settings None: any context
+        self.passes_pending = passes_pending
+        self.children_waited = 0  # children that waited for their context's second passes
         self.eviction = StoreEviction(pool, store, defaults, held_slots or store.slots_held)
         self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
         self.store = store
@@ -109,9 +115,7 @@ class Admission:
         state = self.state_of(request)
         if state is None:
             return False
-        # SGLang's own estimate of what a request will need: its prompt and its growth, clipped as
-        # SGLang clips it when admitting (a huge max_new_tokens reserves no more than that).
-        wanted = len(request.input_ids) + min(request.max_new_tokens or 0, self.defaults.growth_estimate_cap)
+        wanted = self.eviction.slots_wanted(len(request.input_ids), request.max_new_tokens)
         if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
             self.eviction.make_room(len(request.input_ids) - internal_context.n, keep=internal_context,
                            tenant=internal_context.tenant)
@@ -132,13 +136,23 @@ class Admission:
         names_a_policy = state.fields.policy is not None or get_policy(self.defaults.policy).compacts
         if state.fields.policy is not None and self.settings_of(request, state) is None:
             return False  # the settings a request names are checked whether or not the store holds a context
-        if (len(self.store) or self.eviction.tiering.holds_any()) and not state.fields.wants_full_cache and names_a_policy:
+        state.waits = False
+        stored = len(self.store) or self.eviction.tiering.holds_any()
+        if not state.fields.wants_full_cache and names_a_policy and (stored or self.passes_pending(request.input_ids, None)):
             settings = self.settings_of(request, state)
             if settings is None:
                 return False
             context = self.store.longest_prefix_of(request.input_ids, settings)
             if self.eviction.tiering.holds_any():
                 context, restored_from, restore_problem = self.eviction.from_tiers(request.input_ids, settings, context, tenant)
+            if context is None and self.passes_pending(request.input_ids, settings):
+                # Its context is being scored by second passes: served when they end, as the same child
+                # sent a moment later would be (not from the full cache, which would depend on timing).
+                state.waits = True
+                if state.waited_since is None:
+                    state.waited_since = time.monotonic()
+                    self.children_waited += 1
+                return False
         logprobs_from = request.input_logprobs_from
         if context is not None and logprobs_from is not None and logprobs_from < context.n:
             # Log-probabilities of the context's own tokens need its whole cache, as on a plain server:
@@ -178,6 +192,8 @@ class Admission:
         self._adopt(state, context)
         state.outcome = {"child": True, "context_tokens": context.n, "slots": context.num_slots,
                          "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
+        if state.waited_since is not None:
+            state.outcome["waited_for_second_passes_s"] = round(time.monotonic() - state.waited_since, 3)
         if restored_from is not None or restore_problem is not None:
             state.outcome.update({"restored_from": restored_from, "restore_s": context.timings["restore_s"]}
                                  if restored_from is not None else {"restore_failed": restore_problem})

@@ -29,6 +29,14 @@ class StoreEviction:
         # Where evicted contexts go instead of nowhere (--kvx-host-store-gb), and come back from.
         self.tiering = Tiering(pool, int(defaults.host_store_gb * GB))
 
+    def slots_wanted(self, prompt_tokens: int, max_new_tokens: int | None) -> int:
+        """What a request will need as SGLang's PrefillAdder counts it: the prompt in whole pages, its
+        growth clipped as SGLang clips it when admitting (a huge max_new_tokens reserves no more than
+        that) and one page of rounding. One slot less and a request SGLang cannot admit would be
+        judged to fit: queued for good with nothing running to free room."""
+        page = self.defaults.page_size
+        return -(-prompt_tokens // page) * page + min(max_new_tokens or 0, self.defaults.growth_estimate_cap) + page
+
     def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
         what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
@@ -94,6 +102,31 @@ class StoreEviction:
         return (f"the request needs {tokens} KV slots (its prompt and its max_new_tokens, counted up to "
                 f"{self.defaults.growth_estimate_cap} as SGLang counts them), more than this server can free for it: of the pool's {self.pool.total} slots, {held}; "
                 f"ask for fewer max_new_tokens or send a shorter prompt")
+
+    def free_for_decode(self, tokens: int) -> bool:
+        """A decode step of the running requests needs ``tokens`` slots the pool lacks: give up idle
+        contexts no tenant's reserve keeps, least recently used first, before SGLang retracts a
+        request (it cannot take the store's slots; on plain SGLang that room would be free).
+        Whether anything was freed."""
+        reserved = self._reserved(None)
+        freed = False
+        while self.pool.room() < tokens:
+            idle = [c for c in self.store.contexts.values() if c.active_children == 0 and id(c) not in reserved]
+            if not idle:
+                break
+            victim = min(idle, key=lambda c: c.last_used)
+            self.evict(victim)
+            freed = True
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) for running requests' decode",
+                        victim.n, victim.num_slots)
+        return freed
+
+    def kept_from(self, tenant: str | None) -> int:
+        """Slots a request of ``tenant`` can never evict: other tenants' contexts within their share of
+        the store's reserve (all reserved contexts for an untagged request)."""
+        reserved = self._reserved(None)
+        return sum(c.num_slots for c in self.store.contexts.values()
+                   if id(c) in reserved and (tenant is None or c.tenant != tenant))
 
     def reserved_slots(self) -> int:
         """Slots of the contexts no other tenant's request can evict now."""

@@ -25,6 +25,7 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "evictions_deferred_to_waiting": runtime.admission.eviction.deferred,
         "evictions_refused_reserved": runtime.admission.eviction.refused,
         "second_passes_pending": len(runtime.second_pass.jobs),
+        "children_waited_for_second_passes": runtime.admission.children_waited,
         "decode_rows": len(runtime.decode.rows),
         "decode_slots_freed": runtime.decode.freed_slots,
         "decode_reruns": runtime.decode.rerun_count,  # rows re-run

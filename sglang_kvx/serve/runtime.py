@@ -39,7 +39,9 @@ from sglang_kvx.store import ContextStore
 logger = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 32
-CHILD, WHOLE = "child", "whole"  # what before_round asks of the prefix match
+# What before_round asks of the prefix match: a child (the store's slots), the whole context, or to
+# stay queued this round (a child whose context's second passes still run).
+CHILD, WHOLE, WAIT = "child", "whole", "wait"
 AUTO_RID_PREFIX = INTERNAL_RID_PREFIX + "shared-prefix-"  # parents of beginnings plain requests repeat
 
 
@@ -55,7 +57,8 @@ class Runtime:
         self.store = ContextStore()
         self._policies: dict[str, KVPolicy] = {}
         self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem,
-                                   held_slots=self.held_slots)
+                                   held_slots=self.held_slots,
+                                   passes_pending=lambda ids, settings: self.second_pass.pending_for(ids, settings))
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq, gdn_layer_ids, attention_layer_ids)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths, defaults.page_size)
@@ -104,6 +107,12 @@ class Runtime:
             self._refuse_on_error(request, exc, "admitting")
             return None
 
+    @staticmethod
+    def waits(request: Request) -> bool:
+        """Whether a queued request stays queued this round (``before_round`` said WAIT)."""
+        state = request.state
+        return state is not None and state.waits
+
     def _refuse_on_error(self, request: Request, exc: Exception, doing: str) -> None:
         self._failed(f"{type(exc).__name__} while {doing} a request: {exc}")
         logger.exception("sglang_kvx: %s request %s failed; it gets an error", doing, request.rid)
@@ -121,6 +130,8 @@ class Runtime:
             return None
         if child:
             return CHILD
+        if state is not None and state.waits:
+            return WAIT
         if state is not None and not state.prefix_checked and not state.parent and not state.internal:
             state.prefix_checked = True
             self._shared_prefix(request, state)
@@ -161,6 +172,26 @@ class Runtime:
         if live is None or live + 2 > pool_tokens:
             return None
         return max(0, min(requested, max_request_len - len(request.input_ids) - 1))
+
+    def growth_bound(self, request: Request, max_new_tokens: int) -> int | None:
+        """For a request sent with ``max_new_tokens: null``: what it may generate in the room the
+        store's reserve leaves it (SGLang clipped it to the whole pool, which the reserve's contexts
+        partly hold); None when SGLang's clip stands. A request naming a number keeps it (refused
+        with the reason when it cannot fit)."""
+        state = self.admission.state_of(request)
+        if state is None or not len(self.store):
+            return None
+        # SGLang's own empty-pool clip (its allocator's max_new_tokens_for_memory: capacity - paged prompt -
+        # one page - 1), with the reserve's slots out of the capacity.
+        page = self.defaults.page_size
+        prompt = -(-len(request.input_ids) // page) * page
+        room = self.pool.total - self.admission.eviction.kept_from(state.fields.tenant) - prompt - page - 1
+        return room if 0 < room < max_new_tokens else None
+
+    def make_decode_room(self, tokens: int) -> bool:
+        """The running requests' next decode step lacks ``tokens`` slots: idle unreserved contexts go
+        first (whether any did), before SGLang retracts a request."""
+        return self.admission.eviction.free_for_decode(tokens)
 
     def _parent_problem(self, settings: CompactionSettings, n: int) -> str | None:
         """Why a parent cannot be compacted under ``settings`` beyond what admission checks (a second pass's length)."""
