@@ -216,7 +216,7 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
     ``progress``: a JSONL file each prompt's answers are appended to, and resumed from."""
     from tqdm import tqdm
 
-    from sglang_kvx.eval.runner import _generate, _policy_params, _wait_for_second_passes
+    from sglang_kvx.eval.runner import _generate, _policy_params, wait_for_second_passes
     from sglang_kvx.serve.launcher import flush_cache
 
     done: dict[int, list[dict]] = {}
@@ -237,7 +237,7 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
                 **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": 0}
             parent = _generate(url, prompt["context"], 0, kvx)
             if kvx.get("policy") == "kvzip":
-                _wait_for_second_passes(url)
+                wait_for_second_passes(url)
             child = _generate(url, prompt["context"] + prompt["question"], max_new_tokens, kvx)
             meta = child["meta_info"]
             served = {"text": child["text"], "ids": child.get("output_ids")}

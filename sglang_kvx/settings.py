@@ -14,6 +14,8 @@ a large value back.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
@@ -103,8 +105,9 @@ class ServerDefaults:
     decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
     host_store_gb: float = 0.0  # --kvx-host-store-gb: host memory for contexts evicted from the pool (0: off)
 
-    @property
+    @functools.cached_property
     def facts(self) -> ServingFacts:
+        """Built once per server (the defaults are frozen); every request's checks read this one."""
         return ServingFacts(tp_size=self.tp_size, page_size=self.page_size, sparse_budget=self.sparse_budget,
                             model_signals=self.model_signals, per_layer_lengths=self.per_layer_lengths)
 

@@ -104,3 +104,13 @@ def test_lower_floors_do_not_import_higher_ones() -> None:
                 wrong += [(name, m) for m in _imports(name, path, modules)
                           if any(m == f"sglang_kvx.{a}" or m.startswith(f"sglang_kvx.{a}.") for a in above)]
     assert wrong == []
+
+
+def test_no_class_in_the_package_is_over_250_lines() -> None:
+    """Issue #40's bar: no god object (a class that grows past it is missing an extension point)."""
+    too_long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+                too_long.append(f"{path.relative_to(PACKAGE.parent)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == []

@@ -62,12 +62,16 @@ def test_budgets_never_exceed_the_context() -> None:
 # --- the server ------------------------------------------------------------------------
 
 
+def paged_spec(path: str):
+    """The paged server of this file (the combination matrix serves its features on it too)."""
+    return spec(path, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3",
+                "--page-size", str(PAGE), "--context-length", "4096", max_total_tokens=POOL)
+
+
 @pytest.fixture
 def paged(demo_paths, references, server_pool):
     name = "tiny-llama"
-    server = server_pool.get(spec(demo_paths[name], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3",
-                                  "--page-size", str(PAGE), "--context-length", "4096", max_total_tokens=POOL))
-    return server, references[name], demo_paths[name]
+    return server_pool.get(paged_spec(demo_paths[name])), references[name], demo_paths[name]
 
 
 def words(n: int, seed: int) -> str:

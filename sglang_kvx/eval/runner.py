@@ -47,7 +47,7 @@ def _policy_params(method: str) -> dict[str, Any]:
     return {"policy": policy, **({"allocation": allocation} if allocation else {})}
 
 
-def _wait_for_second_passes(url: str, timeout: float = 1800.0) -> None:
+def wait_for_second_passes(url: str, timeout: float = 1800.0) -> None:
     """KVzip compacts once its reconstruction passes ran; questions must find the compacted context.
     The scheduler answers ``/kvx/stats`` between forwards: a long pass on a busy CPU can hold the
     answer for minutes, so a slow answer is waited for (up to ``timeout`` in all), not an error."""
@@ -94,7 +94,7 @@ def evaluate(
                 **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": protected_prefix_len}
             _generate(url, context, 0, kvx)  # the parent
             if kvx.get("policy") == "kvzip":
-                _wait_for_second_passes(url)
+                wait_for_second_passes(url)
             for question, answers in turns:
                 prediction = _generate(url, context + question, max_new_tokens, kvx)["text"]
                 totals[(task, policy, p)].append(METRICS[task](postprocess(prediction), answers))
