@@ -31,7 +31,7 @@ import time
 import requests
 
 from sglang_kvx.models.demo import ensure_demo_models, weights_root
-from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_args
+from sglang_kvx.serve.launcher import add_url_option, flush_cache, server_or_url, urls_from_args
 from served import describe  # perf/ is on the path when run as a script
 
 QUESTION, NEW_TOKENS = 16, 8
@@ -60,7 +60,7 @@ def outcome(body: dict) -> dict:
 
 
 def flush(url: str) -> None:
-    requests.post(url + "/flush_cache", timeout=120).raise_for_status()
+    flush_cache(url, timeout=120)  # retried while SGLang still counts the last request as pending
 
 
 def one_round(url: str, length: int, fill: int, kvx: dict, seed: int) -> dict:
