@@ -77,3 +77,40 @@ def test_answers_in_a_mixed_sequence_equal_each_request_sent_alone(kind, shared_
         for request in requests_:
             alone = _answer(server, request)
         assert in_sequence[name] == alone, f"{name!r} on the {kind} server: in the sequence {in_sequence[name]}, alone {alone}"
+
+
+def _stream_with_aborts(url: str, payload: dict, aborts: list[str]) -> dict:
+    """Stream ``payload``; once its first tokens arrived (it is running), post each abort; the last chunk."""
+    import json
+
+    import requests
+
+    last = None
+    with requests.post(url + "/generate", json={**payload, "stream": True}, stream=True, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            if last is None:
+                for rid in aborts:
+                    requests.post(url + "/abort_request", json={"rid": rid}, timeout=30)
+            last = json.loads(line[len(b"data: "):])
+    return last
+
+
+@pytest.mark.slow
+def test_one_clients_abort_never_reaches_another_clients_request(shared_server, references) -> None:
+    """SGLang's scheduler matches an abort's rid as a prefix; a client's abort of a rid it does not
+    hold ("v", "victim-", ...) must not end another client's running request ("victim-..."): it is
+    answered in full, with the tokens it gets when nobody aborts anything. The exact rid does abort
+    it (the aborts reach a running request)."""
+    import uuid
+
+    server, ref = shared_server("compacting", "tiny-llama"), references["tiny-llama"]
+    payload = {"input_ids": ref.encode(text(60, seed=720)), "sampling_params": {**GREEDY, "max_new_tokens": 300}}
+    expected = server.generate(payload).json()["output_ids"]
+    rid = f"victim-{uuid.uuid4().hex}"
+    last = _stream_with_aborts(server.url, {**payload, "rid": rid}, ["v", "victim", "victim-", rid[:-1]])
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and last["output_ids"] == expected, last["meta_info"]
+    rid = f"victim-{uuid.uuid4().hex}"
+    last = _stream_with_aborts(server.url, {**payload, "rid": rid}, [rid])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < 300, last["meta_info"]
