@@ -114,3 +114,40 @@ def test_one_clients_abort_never_reaches_another_clients_request(shared_server, 
     rid = f"victim-{uuid.uuid4().hex}"
     last = _stream_with_aborts(server.url, {**payload, "rid": rid}, [rid])
     assert last["meta_info"]["finish_reason"]["type"] == "abort" and len(last["output_ids"]) < 300, last["meta_info"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["child", "decode step"])
+def test_a_stream_dropped_by_its_client_leaves_nothing_behind(case, shared_server, references) -> None:
+    """A client that disconnects mid-stream, from a child of a compacted context or from a request
+    running a decode step (StreamingLLM): SGLang aborts the request, the context is released (no
+    child left on it), the decode row ends, the pool balances, and the same request sent again is
+    answered as before the disconnect."""
+    import time
+
+    import requests
+
+    from test_compaction_e2e import compact, wait_idle
+
+    server, ref = shared_server("compacting", "tiny-llama"), references["tiny-llama"]
+    context, question = ref.encode(text(150, seed=730)), ref.encode(" which word comes next?")
+    compact(server, context, "keydiff", 0.3)
+    fields = ({"policy": "keydiff", "keep_fraction": 0.3} if case == "child"
+              else {"compact": False, "decode": {"step": "streamingllm", "sinks": 4, "window": 32}})
+    payload = {"input_ids": context + question, "stream": True,
+               "sampling_params": {**GREEDY, "max_new_tokens": 400, **_kvx(**fields)}}
+    expected = requests.post(server.url + "/generate", json={**payload, "stream": False}, timeout=120).json()
+    assert len(expected["output_ids"]) == 400, expected
+    with requests.post(server.url + "/generate", json=payload, stream=True, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"data: "):
+                break  # the first tokens arrived: drop the connection
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (server.stats()["decode_rows"]
+                                           or any(c["active_children"] for c in server.stats()["compacted_contexts"])):
+        time.sleep(0.2)
+    stats = wait_idle(server, server.stats()["kv_pool_total_tokens"])
+    assert stats["decode_rows"] == 0 and not any(c["active_children"] for c in stats["compacted_contexts"]), stats
+    again = requests.post(server.url + "/generate", json={**payload, "stream": False}, timeout=120).json()
+    assert again["output_ids"] == expected["output_ids"]
+    assert (again["meta_info"].get("kvx") or [{}])[0].get("child", False) is (case == "child"), again["meta_info"]
