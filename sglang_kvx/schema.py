@@ -274,7 +274,8 @@ SETTINGS: tuple[Setting, ...] = (
             "first out; 0 = off (an evicted context is dropped).",
             "0", lambda raw: flag_gigabytes(raw, "--kvx-host-store-gb")),
     Setting("policy_modules", "Comma-separated Python modules imported first in every server process: each "
-            "registers its own policies with @register_policy.", "", _text),
+            "registers its own policies (@register_policy), decode steps (@register_decode_step) and signals "
+            "(@register_signal).", "", _text),
 )
 
 FLAG_SETTINGS = tuple(s for s in SETTINGS if s.from_flag is not None)
