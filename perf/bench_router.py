@@ -119,7 +119,7 @@ def main() -> None:
     if args.workers < 1 or args.sessions < 1 or args.questions < 1:
         parser.error("--workers, --sessions and --questions must be >= 1")
     try:
-        import sglang_router  # noqa: F401
+        import sglang_router  # noqa: F401 - only checked for
     except ImportError:
         parser.error("this benchmark needs SGLang's router: pip install sglang-router")
     ensure_demo_models()
