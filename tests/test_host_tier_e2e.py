@@ -8,10 +8,9 @@ model and on the hybrid one (its GDN snapshot travels with the context). The fig
 from __future__ import annotations
 
 import pytest
-import requests
 
 from server_pool import TIERED_POOL
-from test_compaction_e2e import ask, compact, generate, kvx, served_keep_set, stored, text
+from test_compaction_e2e import ask, compact, generate, kvx, scrape, served_keep_set, stored, text
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +35,6 @@ def push_out_every_context(server, ref, seed: int) -> None:
         ids += ref.encode(text(400, seed=seed + len(ids)))
     body = generate(server, ids[: TIERED_POOL - 100], 2)
     assert body["meta_info"]["completion_tokens"] == 2
-
-
-def scrape(server) -> dict[str, float]:
-    found: dict[str, float] = {}
-    for line in requests.get(server.url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("sglang:kvx_"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            found[name] = found.get(name, 0.0) + value
-    return found
 
 
 def child(server, context, question, allocation):

@@ -184,7 +184,7 @@ class SecondPassRunner:
             return
 
         def fill(signals) -> None:
-            setattr(signals, job.rule.signal, job.totals)
+            signals.put(job.rule.signal, job.totals)
 
         try:
             context = self.compactor.compact(

@@ -33,15 +33,17 @@ class RecordingSetup:
     chunk_scoring: ChunkScoring | None = None  # a policy scoring GDN signals chunk by chunk (GateSight)
 
 
-def _nbytes(value: Any) -> int:
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside ``value``: a tensor, or dicts / lists / tuples / objects of them
+    (a signal's state, TriAttention's QueryStatistics, a GDN state snapshot of the adapter's shape)."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
+        return sum(tensor_bytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    if hasattr(value, "__dict__"):  # a signal's state object, TriAttention's QueryStatistics
-        return sum(_nbytes(v) for v in vars(value).values())
+        return sum(tensor_bytes(v) for v in value)
+    if hasattr(value, "__dict__"):
+        return sum(tensor_bytes(v) for v in vars(value).values())
     return 0
 
 
@@ -55,6 +57,7 @@ class Recording:
         self.states: dict[str, Any] = {name: signal.start(n, num_layers, spec.get(name), setup)
                                        for name, signal in self.signals.items()}
         self.reads_queries = any(signal.reads_queries for signal in self.signals.values())
+        self.holds_chunks = any(signal.holds_chunks for signal in self.signals.values())
         self.peak_bytes = 0  # the most this recording held at once (checked where chunk scoring peaks)
         self.seconds = 0.0  # spent recording inside the forward
         self.failed: str | None = None  # why recording stopped (the context then stays uncompacted)
@@ -76,7 +79,7 @@ class Recording:
     def nbytes(self) -> int:
         """Bytes of every tensor this recording holds (what a parent costs beside the pool until it is
         compacted; it only grows while the prefill runs, so at compaction this is its peak)."""
-        return _nbytes(self.states)
+        return tensor_bytes(self.states)
 
     def peak_nbytes(self) -> int:
         """The most this recording held at once: its size now, or more in the middle of a chunk."""
@@ -140,7 +143,7 @@ class SignalRecorder:
                     for name, signal in rec.signals.items():
                         if signal.reads_queries:
                             signal.on_queries(rec.states[name], chunk)
-                if any(signal.holds_chunks for signal in rec.signals.values()):
+                if rec.holds_chunks:
                     rec.peak_bytes = max(rec.peak_bytes, rec.nbytes())
 
     def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

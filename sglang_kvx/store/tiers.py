@@ -24,19 +24,8 @@ import torch
 
 from sglang_kvx.compact.layout import PrefixLayout
 from sglang_kvx.settings import CompactionSettings
+from sglang_kvx.signals.recorder import tensor_bytes
 from sglang_kvx.store import PrefixCells
-
-
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor inside ``value`` (a tensor, or lists / tuples / dicts of them): a GDN
-    snapshot's shape is the adapter's, so it is walked rather than assumed."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(tensor_bytes(v) for v in value)
-    return 0
 
 
 @dataclass
