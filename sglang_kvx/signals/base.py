@@ -304,6 +304,9 @@ class Signal:
     def on_attention_layer(self, state: Any, layer: int, positions: range) -> None:
         """After attention layer ``layer`` ran on ``positions`` of the row (no query read)."""
 
+    def trim(self, state: Any, layer: int) -> None:
+        """After attention layer ``layer`` (and the recording's peak taken): drop what no later layer reads."""
+
     def on_output_gate(self, state: Any, layer: int, gate: torch.Tensor) -> None:
         """An attention layer's output gate for the chunk's tokens: [t, q_heads, head_dim] (pre-sigmoid)."""
 

@@ -75,7 +75,7 @@ class GDNSignals(Signal):
 
     def on_attention_layer(self, state: GDNState, layer: int, positions: range) -> None:
         """Chunk scoring: attention layer ``layer`` ran on ``positions``; score them from the GDN layers
-        before it, then drop the GDN chunks no later attention layer reads."""
+        before it (``trim`` then drops the GDN chunks no later attention layer reads)."""
         if state.layout is None:
             return
         gdn = []
@@ -86,8 +86,11 @@ class GDNSignals(Signal):
                                    f"{positions.stop - 1} were not recorded before attention layer {layer}")
             gdn.append(GDNLayerSignals(*chunk[-1]))
         state.scores.setdefault(layer, []).append(state.scoring.score(layer, gdn, positions, state.n))
-        for layer_id in state.layout.done_after(layer):
-            state.chunks.pop(layer_id, None)
+
+    def trim(self, state: GDNState, layer: int) -> None:
+        if state.layout is not None:
+            for layer_id in state.layout.done_after(layer):
+                state.chunks.pop(layer_id, None)
 
     def on_gdn_inputs(self, state: GDNState, layer, mixed_qkv: torch.Tensor, rows: slice, a: torch.Tensor,
                       b: torch.Tensor) -> None:

@@ -143,8 +143,10 @@ class SignalRecorder:
                     for name, signal in rec.signals.items():
                         if signal.reads_queries:
                             signal.on_queries(rec.states[name], chunk)
-                if rec.holds_chunks:
+                if rec.holds_chunks:  # at its largest: this layer's scores added, nothing dropped yet
                     rec.peak_bytes = max(rec.peak_bytes, rec.nbytes())
+                    for name, signal in rec.signals.items():
+                        signal.trim(rec.states[name], layer)
 
     def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """Before a GDN layer runs (GPU route): its inputs for every parent token in the batch."""
