@@ -184,6 +184,7 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
     if page_size > 1 and config.sparse_budget:
         raise KvxConfigError(f"block-sparse attention (--kvx-sparse-attention): not supported with --page-size "
                              f"{page_size} yet; serve with --page-size 1")
+    check_context_dir(config, tp_size)
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")
@@ -221,6 +222,29 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
     if config.decode and json.loads(config.decode)["step"] == "oda":
         load_recall_head(config)  # no head, or one trained for another model: fail now
     return config
+
+
+def check_context_dir(config: KvxConfig, tp_size: int) -> None:
+    """The disk tier's flags together: a directory (or one that can be made) for the others to act on."""
+    defaults = {s.name: s.from_flag(s.default) for s in FLAG_SETTINGS}
+    if not config.context_dir:
+        for name in ("disk_store_gb", "persist_contexts"):
+            if getattr(config, name) != defaults[name]:
+                raise KvxConfigError(f"--kvx-{name.replace('_', '-')} needs --kvx-context-dir (the directory the "
+                                     f"disk tier writes to)")
+        return
+    path = Path(config.context_dir).expanduser()
+    try:
+        not_a_dir = path.exists() and not path.is_dir()
+    except OSError as exc:  # a name the file system refuses (too long)
+        raise KvxConfigError(f"--kvx-context-dir {_short(config.context_dir)}: {exc.strerror}") from None
+    if not_a_dir:
+        raise KvxConfigError(f"--kvx-context-dir {_short(config.context_dir)} is a file, not a directory")
+    if tp_size > 1:
+        raise KvxConfigError(f"--kvx-context-dir is not supported with --tp-size {tp_size} yet: each rank holds a "
+                             f"head shard of a context, and the ranks do not agree on files yet")
+    if config.disk_store_gb == 0:
+        raise KvxConfigError("--kvx-disk-store-gb 0 leaves the disk tier no room; drop --kvx-context-dir to turn it off")
 
 
 def read_gate_tau(model_path: str | os.PathLike) -> float | None:

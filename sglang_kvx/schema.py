@@ -273,6 +273,15 @@ SETTINGS: tuple[Setting, ...] = (
             "served by copying its kept entries back instead of a new prefill and compaction; least recently used "
             "first out; 0 = off (an evicted context is dropped).",
             "0", lambda raw: flag_gigabytes(raw, "--kvx-host-store-gb")),
+    Setting("context_dir", "Directory for compacted contexts on disk: those host memory lets go (or the pool evicts, "
+            "without a host tier) are written there as safetensors plus a JSON manifest, and a child of one -- on "
+            "this server, after a restart, or on another server of the same model sharing the path -- restores it "
+            "instead of a new prefill; \"\" = off.", "", lambda raw: flag_path(raw, "--kvx-context-dir")),
+    Setting("disk_store_gb", "Disk space (GB) this model's context files may take in --kvx-context-dir; least "
+            "recently used first out.", "16", lambda raw: flag_gigabytes(raw, "--kvx-disk-store-gb")),
+    Setting("persist_contexts", "'on': every compacted context is written to --kvx-context-dir as soon as it is "
+            "stored, so it outlives the process (kill -9 included); 'off': only evicted ones are.",
+            "off", lambda raw: flag_on_off(raw, "--kvx-persist-contexts")),
     Setting("policy_modules", "Comma-separated Python modules imported first in every server process: each "
             "registers its own policies (@register_policy), decode steps (@register_decode_step) and signals "
             "(@register_signal).", "", _text),

@@ -104,6 +104,10 @@ class ServerDefaults:
     sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
     decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
     host_store_gb: float = 0.0  # --kvx-host-store-gb: host memory for contexts evicted from the pool (0: off)
+    context_dir: str = ""  # --kvx-context-dir: the disk tier's directory ("": off)
+    disk_store_gb: float = 0.0  # --kvx-disk-store-gb: the bytes of this model's files there
+    persist_contexts: bool = False  # --kvx-persist-contexts: every stored context written to disk at once
+    model_fingerprint: str = ""  # what a context file must match to load (store/disk.model_fingerprint)
 
     @functools.cached_property
     def facts(self) -> ServingFacts:

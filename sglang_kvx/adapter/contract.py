@@ -138,6 +138,8 @@ ATTRIBUTES: dict[str, list[str]] = {
     ],
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
     "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector": ["labels"],
+    "sglang.srt.model_executor.model_runner.ModelRunner": ["kv_cache_dtype", "model_config"],
+    "sglang.srt.configs.model_config.ModelConfig": ["model_path"],
     "sglang.srt.mem_cache.memory_pool.MambaPool": ["get_cpu_copy", "load_cpu_copy", "mamba_cache", "_slot_siblings"],
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": [
         "available_size", "alloc", "free", "free_group", "free_group_begin", "free_group_end",

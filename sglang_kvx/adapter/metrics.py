@@ -27,7 +27,14 @@ COUNTERS = {
     "host_contexts_dropped": ("sglang:kvx_host_contexts_dropped_total", "Contexts host memory let go for room (or could not hold)."),
     "host_restores": ("sglang:kvx_host_restores_total", "Contexts copied back from host memory into the pool for a child."),
     "host_restore_seconds": ("sglang:kvx_host_restore_seconds_total", "Seconds spent copying contexts back from host memory."),
-    "restore_failures": ("sglang:kvx_restore_failures_total", "Children served by a full prefill: the pool could not take their context back."),
+    "disk_contexts_stored": ("sglang:kvx_disk_contexts_stored_total", "Compacted contexts evicted into the disk tier."),
+    "disk_contexts_dropped": ("sglang:kvx_disk_contexts_dropped_total", "Context files the disk tier removed for room (or could not hold)."),
+    "disk_restores": ("sglang:kvx_disk_restores_total", "Contexts read back from disk into the pool for a child."),
+    "disk_restore_seconds": ("sglang:kvx_disk_restore_seconds_total", "Seconds spent reading contexts back from disk."),
+    "disk_files_written": ("sglang:kvx_disk_files_written_total", "Context files written (evicted or persisted contexts)."),
+    "disk_write_failures": ("sglang:kvx_disk_write_failures_total", "Context writes that failed (full disk, unwritable directory)."),
+    "disk_files_refused": ("sglang:kvx_disk_files_refused_total", "Context files refused (torn, corrupted, another model's)."),
+    "restore_failures": ("sglang:kvx_restore_failures_total", "Children served by a full prefill: their context could not come back from a tier."),
     "oda_routed_steps": ("sglang:kvx_oda_routed_steps_total", "Decode steps On-Demand Attention routed."),
     "oda_full_steps": ("sglang:kvx_oda_full_steps_total", "Routed steps re-run with Full attention."),
 }
@@ -37,6 +44,8 @@ GAUGES = {
     "pool_context_bytes": ("sglang:kvx_pool_context_bytes", "KV bytes of the compacted contexts in the pool."),
     "host_contexts": ("sglang:kvx_host_contexts", "Compacted contexts held in host memory."),
     "host_bytes": ("sglang:kvx_host_bytes", "Bytes of the compacted contexts held in host memory."),
+    "disk_contexts": ("sglang:kvx_disk_contexts", "This model's compacted contexts in the disk tier's directory."),
+    "disk_bytes": ("sglang:kvx_disk_bytes", "Bytes of this model's context files in the disk tier's directory."),
     "second_passes_pending": ("sglang:kvx_second_passes_pending", "Second passes (KVzip's reconstruction) not yet run."),
 }
 SCORING = ("sglang:kvx_scoring_seconds", "Time to score, allocate and select one context's keep-set.")

@@ -74,6 +74,17 @@ def link_holders(req_to_token_pool, model, attn_backend) -> list:
     return holders
 
 
+def context_file_fingerprint(scheduler, pool, attention_ids: list[int], gdn_ids: list[int]) -> str:
+    """What a context file on disk must match to be restored here: this model, tokenizer and KV layout."""
+    from sglang_kvx.store.disk import model_fingerprint
+
+    runner = scheduler.tp_worker.model_runner
+    return model_fingerprint(runner.model_config.model_path, getattr(scheduler.server_args, "tokenizer_path", None) or "", {
+        "kv_dtype": str(runner.kv_cache_dtype), "kv_heads": pool.num_kv_heads, "head_dim": pool.head_dim,
+        "attention_layer_ids": list(attention_ids), "gdn_layer_ids": list(gdn_ids), "tp_size": int(scheduler.tp_size),
+        "revision": getattr(scheduler.server_args, "revision", None) or ""})
+
+
 def build_runtime(scheduler, config):
     from sglang_kvx.adapter.attention import has_per_layer_lengths
     from sglang_kvx.adapter.model import attention_and_gdn_layer_ids, rope_inv_freq
@@ -94,6 +105,8 @@ def build_runtime(scheduler, config):
         decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
         gate_tau=config.gate_tau, page_size=int(scheduler.page_size), sparse_budget=config.sparse_budget,
         decode_steps=config.decode_steps, reserved_tenants=config.reserved_tenants, host_store_gb=config.host_store_gb,
+        context_dir=config.context_dir, disk_store_gb=config.disk_store_gb, persist_contexts=config.persist_contexts,
+        model_fingerprint=context_file_fingerprint(scheduler, pool, attention_ids, gdn_ids) if config.context_dir else "",
     )
 
     def submit(rid: str, input_ids: list[int], compact: bool = False) -> None:

@@ -11,6 +11,7 @@ from sglang_kvx.ports import KVPool
 from sglang_kvx.serve.tenant_reserve import TenantReserve
 from sglang_kvx.serve.tiering import GB, Tiering
 from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.store.disk import DiskTier
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,10 @@ class StoreEviction:
         self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
         self.refused = 0  # times the rest of the store was reserved or in use: no eviction
         # Where evicted contexts go instead of nowhere (--kvx-host-store-gb), and come back from.
-        self.tiering = Tiering(pool, int(defaults.host_store_gb * GB))
+        disk = (DiskTier(defaults.context_dir, int(defaults.disk_store_gb * GB), defaults.model_fingerprint)
+                if defaults.context_dir else None)
+        self.tiering = Tiering(pool, int(defaults.host_store_gb * GB), disk, persist=defaults.persist_contexts)
+        store.on_add.append(self.tiering.stored)
 
     def slots_wanted(self, prompt_tokens: int, max_new_tokens: int | None) -> int:
         """What a request will need as SGLang's PrefillAdder counts it: the prompt in whole pages, its
@@ -83,7 +87,7 @@ class StoreEviction:
                                              make_room=lambda count: self.make_room(count, tenant=tenant))
         if restored is None:
             return context, None, why
-        self.store.add(restored)
+        self.store.add(restored, compacted=False)
         return restored, restored.timings["restored_from"], None
 
     def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],

@@ -37,7 +37,8 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "sparse_index_blocks_built": runtime.sparse_index.blocks_built,  # compressed keys built (not reused)
         "shared_prefixes_seen": runtime.shared.seen,  # plain requests repeating an unmarked long beginning
         "auto_contexts_queued": runtime.auto_contexts,
-        # Per tier: the pool's compacted contexts, and (--kvx-host-store-gb) host memory's with its restores.
+        # Per tier: the pool's compacted contexts, then host memory's (--kvx-host-store-gb) and the disk's
+        # (--kvx-context-dir) with their restores; the disk's files written and refused.
         "pool_contexts": len(runtime.store),
         "pool_context_bytes": runtime.store.slots_held() * runtime.pool.bytes_per_entry * runtime.pool.num_layers,
         **runtime.admission.eviction.tiering.counts(),
@@ -62,6 +63,7 @@ def runtime_stats(runtime) -> dict[str, Any]:
         **runtime_counts(runtime),
         "last_compaction_error": runtime.errors[-1] if runtime.errors else None,
         "host_compacted_contexts": runtime.admission.eviction.tiering.host.summaries(),
+        "disk_tier": runtime.admission.eviction.tiering.disk_report(),
         "last_restore_failure": runtime.admission.eviction.tiering.last_restore_failure,
         # Running requests by their decode step's report (ODA's routing, learned-gate deletions, per-head live entries).
         **runtime.decode.reports(),

@@ -7,8 +7,10 @@ the same copy serves flat, folded and per-head layouts alike. ``restore`` (``ser
 when a child's longest stored prefix is in a tier) takes S fresh slots from the pool's allocator,
 writes the bytes back (one copy) and rebuilds the ``CompactedContext`` with its cells re-pointed at
 the new slots; the child then adopts it exactly as a context that never left. When the pool cannot
-give the slots, the entry goes back to its tier and the child is served as if nothing were stored
-(a full prefill): never a stall.
+give the slots, or a disk file is refused, the entry goes back to its tier (or the file is removed)
+and the child is served as if nothing were stored (a full prefill, the reason in its meta_info):
+never a stall, never a wrong answer. The host tier's let-go entries go down to the disk tier
+(``store/disk.py``), which also takes every stored context at once with ``--kvx-persist-contexts``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from sglang_kvx.compact.layout import PrefixLayout
 from sglang_kvx.ports import KVPool
 from sglang_kvx.settings import CompactionSettings
 from sglang_kvx.store import CompactedContext, PrefixCells
+from sglang_kvx.store.disk import DiskTier, RefusedFile
 from sglang_kvx.store.tiers import ContextTier, HostTier, TieredContext
 
 logger = logging.getLogger(__name__)
 
-GB = 10**9  # --kvx-host-store-gb counts decimal gigabytes
+GB = 10**9  # --kvx-host-store-gb and --kvx-disk-store-gb count decimal gigabytes
+TIER_NAMES = ("host", "disk")
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,17 +62,21 @@ def repoint_cells(cells: list[PrefixCells | None], layout: PrefixLayout, slots: 
 
 
 class Tiering:
-    """The tiers below the pool (host memory when ``host_bytes`` > 0) and the moves between them."""
+    """The tiers below the pool -- host memory when ``host_bytes`` > 0, then ``disk`` when given -- and
+    the moves between them. With ``persist`` every stored context is written to disk at once, so it
+    outlives the process (a restart, kill -9 included, restores it from there)."""
 
-    def __init__(self, pool: KVPool, host_bytes: int) -> None:
+    def __init__(self, pool: KVPool, host_bytes: int, disk: DiskTier | None = None, persist: bool = False) -> None:
         self.pool = pool
         self.host = HostTier(host_bytes)
-        self.known: list[ContextTier] = [self.host]  # reported even when off (0 held), so /metrics keeps its names
-        self.tiers: list[ContextTier] = [self.host] if host_bytes > 0 else []  # in order, first to take evictions
-        self.moved_in = {tier.name: 0 for tier in self.known}  # contexts the pool evicted into each tier
-        self.restores = {tier.name: 0 for tier in self.known}
-        self.restore_seconds = {tier.name: 0.0 for tier in self.known}
-        self.restore_failures = 0  # a child fell back to a full prefill: the pool could not take its context back
+        self.disk = disk
+        self.persist_all = persist and disk is not None
+        # In order, the first taking the pool's evictions and each the one above's let-go entries.
+        self.tiers: list[ContextTier] = ([self.host] if host_bytes > 0 else []) + ([disk] if disk is not None else [])
+        self.moved_in = dict.fromkeys(TIER_NAMES, 0)  # contexts evicted into each tier (from the pool or the tier above)
+        self.restores = dict.fromkeys(TIER_NAMES, 0)
+        self.restore_seconds = dict.fromkeys(TIER_NAMES, 0.0)
+        self.restore_failures = 0  # a child fell back to a full prefill: its context could not come back
         self.last_restore_failure: str | None = None
 
     @property
@@ -76,28 +84,48 @@ class Tiering:
         return bool(self.tiers)
 
     def holds_any(self) -> bool:
+        if self.disk is not None:
+            self.disk.scan()  # other servers sharing the directory write contexts too
         return any(len(tier) for tier in self.tiers)
 
-    def offload(self, context: CompactedContext) -> None:
-        """Copy an evicted context into the first tier (before the pool frees its slots)."""
-        if not self.tiers or context.num_slots == 0:
-            return
+    def copy_out(self, context: CompactedContext) -> TieredContext:
+        """A host copy of a pooled context: each attention layer's buffer over its S slots, and the rest."""
         keys, values = [], []
         for layer in range(self.pool.num_layers):
             k, v = self.pool.read(layer, context.slots)
             keys.append(_to_host(k))
             values.append(_to_host(v))
-        entry = TieredContext(
+        return TieredContext(
             context_ids=context.context_ids, settings=context.settings, kept_per_layer=list(context.kept_per_layer),
             layout=context.layout, keys=keys, values=values, prefix_cells=list(context.prefix_cells),
-            keep_positions=context.keep_positions, gdn_snapshot=context.gdn_snapshot, timings=dict(context.timings),
+            keep_positions=context.keep_positions, gdn_snapshot=context.gdn_snapshot,
+            timings={k: v for k, v in context.timings.items() if k not in ("restore_s", "restored_from")},
             tenant=context.tenant, reuse_count=context.reuse_count, last_used=context.last_used)
-        tier = self.tiers[0]
-        dropped = tier.put(entry)
-        if entry not in dropped:
+
+    def offload(self, context: CompactedContext) -> None:
+        """Copy an evicted context into the first tier (before the pool frees its slots)."""
+        if not self.tiers or context.num_slots == 0:
+            return
+        if self.tiers[0] is self.disk and self.disk.holds(context.context_ids, context.settings):
+            self.moved_in[self.disk.name] += 1  # persisted when stored: nothing to copy
+            return
+        self._put(0, self.copy_out(context))
+
+    def stored(self, context: CompactedContext) -> None:
+        """A context just entered the store: written to disk now with ``--kvx-persist-contexts``."""
+        if self.persist_all and context.num_slots and not self.disk.holds(context.context_ids, context.settings):
+            self.disk.put(self.copy_out(context))
+
+    def _put(self, index: int, entry: TieredContext) -> None:
+        tier = self.tiers[index]
+        let_go = tier.put(entry)
+        if all(gone is not entry for gone in let_go):
             self.moved_in[tier.name] += 1
-        for gone in dropped:  # no tier below yet: a disk tier would take these
-            logger.info("sglang_kvx: %s tier let a %d-token context go (%d bytes)", tier.name, gone.n, gone.nbytes)
+        for gone in let_go:
+            if index + 1 < len(self.tiers) and isinstance(gone, TieredContext):
+                self._put(index + 1, gone)
+            else:
+                logger.info("sglang_kvx: %s tier let a %d-token context go (%d bytes)", tier.name, gone.n, gone.nbytes)
 
     def restore(self, prompt_ids, settings: CompactionSettings, beaten: int,
                 make_room: Callable[[int], None]) -> tuple[CompactedContext | None, str | None]:
@@ -107,17 +135,22 @@ class Tiering:
         found = self._longest(prompt_ids, settings, beaten)
         if found is None:
             return None, None
-        tier, entry = found
-        tier.take(entry)  # out first: evictions making room below must not push it out of its tier
+        tier, held = found
         start = time.perf_counter()
+        try:
+            entry = tier.take(held)  # out of host memory first: evictions making room below must not push it out
+        except (RefusedFile, OSError) as exc:
+            return None, self._failed(f"the {held.n}-token context in the {tier.name} tier could not be read back "
+                                      f"({exc}); served by a full prefill")
+        if problem := self._misfit(entry):
+            return None, self._failed(f"the {entry.n}-token context in the {tier.name} tier does not fit this "
+                                      f"server's KV pool ({problem}); served by a full prefill")
         make_room(entry.num_slots)
         slots = self.pool.alloc(entry.num_slots)
         if slots is None:
-            tier.put(entry)
-            self.restore_failures += 1
-            self.last_restore_failure = (f"no room in the KV pool for the {entry.num_slots} slots of the "
-                                         f"{entry.n}-token context held in {tier.name} memory")
-            return None, self.last_restore_failure
+            tier.put(entry)  # back where it was (the disk tier still holds its file)
+            return None, self._failed(f"no room in the KV pool for the {entry.num_slots} slots of the "
+                                      f"{entry.n}-token context held in the {tier.name} tier")
         device = slots.device
         for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
             self.pool.write(layer, slots, keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
@@ -134,6 +167,22 @@ class Tiering:
             reuse_count=entry.reuse_count)
         return context, tier.name
 
+    def _failed(self, why: str) -> str:
+        self.restore_failures += 1
+        self.last_restore_failure = why
+        logger.warning("sglang_kvx: %s", why)
+        return why
+
+    def _misfit(self, entry: TieredContext) -> str | None:
+        """Why ``entry``'s tensors cannot go into this pool (a file checked by fingerprint still might not)."""
+        if len(entry.keys) != self.pool.num_layers:
+            return f"{len(entry.keys)} attention layers, the pool has {self.pool.num_layers}"
+        shape = (entry.num_slots, self.pool.num_kv_heads, self.pool.head_dim)
+        for keys, values in zip(entry.keys, entry.values):
+            if tuple(keys.shape) != shape or tuple(values.shape) != shape:
+                return f"entries of shape {tuple(keys.shape)}, the pool's are {shape}"
+        return None
+
     def _longest(self, prompt_ids, settings: CompactionSettings, beaten: int) -> tuple[ContextTier, TieredContext] | None:
         best = None
         for tier in self.tiers:
@@ -143,15 +192,30 @@ class Tiering:
         return best
 
     def clear(self) -> None:
+        """/flush_cache: every tier emptied, this model's context files included."""
         for tier in self.tiers:
             tier.clear()
 
     def counts(self) -> dict[str, float]:
-        """Per tier: contexts and bytes held, moves in, contexts let go, restores and their seconds."""
+        """Per tier: contexts and bytes held, moves in, contexts let go, restores and their seconds (0
+        for a tier that is off, so /metrics keeps its names); the disk's files written and refused."""
         out: dict[str, float] = {"restore_failures": self.restore_failures}
-        for tier in self.known:
-            name = tier.name
-            out.update({f"{name}_contexts": len(tier), f"{name}_bytes": tier.nbytes, f"{name}_capacity_bytes": tier.capacity,
-                        f"{name}_contexts_stored": self.moved_in[name], f"{name}_contexts_dropped": tier.dropped,
+        for name in TIER_NAMES:
+            tier = next((t for t in self.tiers if t.name == name), None)
+            held = (len(tier), tier.nbytes, tier.capacity, tier.dropped) if tier is not None else (0, 0, 0, 0)
+            out.update({f"{name}_contexts": held[0], f"{name}_bytes": held[1], f"{name}_capacity_bytes": held[2],
+                        f"{name}_contexts_stored": self.moved_in[name], f"{name}_contexts_dropped": held[3],
                         f"{name}_restores": self.restores[name], f"{name}_restore_seconds": self.restore_seconds[name]})
+        disk = self.disk
+        out.update({"disk_files_written": disk.written if disk is not None else 0,
+                    "disk_write_failures": disk.write_failures if disk is not None else 0,
+                    "disk_files_refused": sum(disk.refused.values()) if disk is not None else 0})
         return out
+
+    def disk_report(self) -> dict:
+        """What /kvx/stats says of the disk tier beyond the counts: its directory, refusals by reason."""
+        if self.disk is None:
+            return {"enabled": False}
+        return {"enabled": True, "directory": str(self.disk.directory), "persist_contexts": self.persist_all,
+                "files_refused_by_reason": dict(self.disk.refused), "last_refusal": self.disk.last_refusal,
+                "contexts": self.disk.summaries()}

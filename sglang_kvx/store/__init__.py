@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -97,6 +97,8 @@ class ContextStore:
     """
 
     contexts: dict[tuple, CompactedContext] = field(default_factory=dict)
+    # Called with each context as it is stored (the disk tier's --kvx-persist-contexts writes it).
+    on_add: list[Callable[[CompactedContext], None]] = field(default_factory=list)
     added: int = 0  # contexts stored so far (compactions done)
     entries_freed: int = 0  # context entries the stored contexts did not keep (n - S each)
 
@@ -110,13 +112,17 @@ class ContextStore:
     def get(self, context_ids, settings: CompactionSettings) -> CompactedContext | None:
         return self.contexts.get(self.key_of(context_ids, settings))
 
-    def add(self, context: CompactedContext) -> None:
+    def add(self, context: CompactedContext, compacted: bool = True) -> None:
+        """Store ``context``: just compacted, or (``compacted=False``) restored from a tier below."""
         key = self.key_of(context.context_ids, context.settings)
         if key in self.contexts:
             raise ValueError("context already compacted with these settings")
         self.contexts[key] = context
-        self.added += 1
-        self.entries_freed += context.n - context.num_slots
+        if compacted:
+            self.added += 1
+            self.entries_freed += context.n - context.num_slots
+        for listener in self.on_add:
+            listener(context)
 
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> CompactedContext | None:
         """The longest context stored with ``settings`` that the prompt strictly extends."""

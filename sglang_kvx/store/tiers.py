@@ -8,7 +8,7 @@ one back when a child asks for it. Tiers know nothing of the pool: moving bytes 
 ``serve/tiering.py``'s work.
 
 ``ContextTier`` is the small interface a tier implements; ``HostTier`` is host memory, bounded in
-bytes. A later disk tier implements the same five calls and takes what the host tier drops
+bytes; ``store/disk.py``'s ``DiskTier`` is files in a directory and takes what the host tier drops
 (``put`` returns it).
 """
 
@@ -67,7 +67,7 @@ class TieredContext:
 
 
 class ContextTier(Protocol):
-    """One tier of the store below the pool (host memory; later disk)."""
+    """One tier of the store below the pool (host memory, disk)."""
 
     name: str  # what a restored child's meta_info["kvx"]["restored_from"] says
     capacity: int  # bytes it may hold
@@ -79,12 +79,15 @@ class ContextTier(Protocol):
         room -- ``entry`` itself when it can never fit -- for a tier below to take."""
         ...
 
-    def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> TieredContext | None:
-        """The longest entry held with ``settings`` that the prompt strictly extends."""
+    def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> Any:
+        """The longest entry held with ``settings`` that the prompt strictly extends (None: none); it
+        has ``n``, its token count."""
         ...
 
-    def take(self, entry: TieredContext) -> None:
-        """Stop holding ``entry`` (it is being restored to the pool)."""
+    def take(self, entry: Any) -> TieredContext:
+        """``entry`` (from ``longest_prefix_of``) as a whole context, to restore to the pool; a tier
+        that moves it (host memory) stops holding it, one that copies it (disk) keeps it. Raises
+        when it cannot be read back (the disk tier's ``RefusedFile``, ``OSError``)."""
         ...
 
     def clear(self) -> None: ...
@@ -145,8 +148,9 @@ class HostTier:
                 best = entry
         return best
 
-    def take(self, entry: TieredContext) -> None:
+    def take(self, entry: TieredContext) -> TieredContext:
         self._remove(entry)
+        return entry
 
     def _remove(self, entry: TieredContext) -> None:
         del self.entries[entry.key]
