@@ -200,6 +200,8 @@ class Tiering:
         """Per tier: contexts and bytes held, moves in, contexts let go, restores and their seconds (0
         for a tier that is off, so /metrics keeps its names); the disk's files written and refused."""
         out: dict[str, float] = {"restore_failures": self.restore_failures}
+        if self.disk is not None:
+            self.disk.scan()  # what other servers sharing the directory wrote or removed shows too
         for name in TIER_NAMES:
             tier = next((t for t in self.tiers if t.name == name), None)
             held = (len(tier), tier.nbytes, tier.capacity, tier.dropped) if tier is not None else (0, 0, 0, 0)

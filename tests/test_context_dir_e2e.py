@@ -1,0 +1,102 @@
+"""Issue #44 items 2 and 3 end to end, with real processes (the test is about them, so it starts its
+own): two servers of one model sharing ``--kvx-context-dir`` (persistence on) behind SGLang's own
+router (``sglang-router``, round robin). A child landing on the server that did not compact its
+parent restores the context from disk (``restored_from: "disk"``) and answers token for token as
+the child read from the pool does, and as the HF oracle does with the served keep-set. A worker
+killed with kill -9 mid-session: the router takes its children elsewhere, where they restore from
+disk; a server started afresh on the directory (the restart) restores the killed one's contexts."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import requests
+
+from sglang_kvx.serve.launcher import ServerProcess
+from test_compaction_e2e import GREEDY, served_keep_set, text
+
+pytestmark = [pytest.mark.slow, pytest.mark.fresh_process]
+
+POLICY, P = "keydiff", 0.25
+
+
+def worker(path, directory) -> ServerProcess:
+    return ServerProcess(path, "--kvx-policy", POLICY, "--kvx-keep-fraction", str(P), "--context-length", "4096",
+                         "--kvx-context-dir", str(directory), "--kvx-persist-contexts", "on", "--enable-metrics",
+                         max_total_tokens=4096)
+
+
+def ask(url: str, ids: list[int], max_new_tokens: int) -> dict:
+    response = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": {
+        **GREEDY, "max_new_tokens": max_new_tokens}}, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def outcome(body: dict) -> dict:
+    return (body["meta_info"].get("kvx") or [{}])[-1]
+
+
+def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_contexts(demo_paths, references, tmp_path):
+    pytest.importorskip("sglang_router", reason="the test extra installs sglang-router")
+    from sglang_kvx.adapter.router import RouterProcess
+
+    ref = references["tiny-llama"]
+    directory = tmp_path / "contexts"
+    first, second = worker(demo_paths["tiny-llama"], directory), worker(demo_paths["tiny-llama"], directory)
+    restarted = None
+    try:
+        first.start()
+        second.start()
+        with RouterProcess([first.url, second.url], "round_robin") as router:
+            sessions = [ref.encode(text(250, seed=8800 + s)) for s in range(4)]
+            questions = [ref.encode(f" Question {q}: which word comes next? Answer:") for q in range(2)]
+            children, answers = [], {}
+            for s, context in enumerate(sessions):
+                parent = ask(router.url, context, 0)
+                assert outcome(parent).get("compacted") is True, parent["meta_info"]
+                for q in (0, 1, 0, 1):  # each question twice: round robin puts the two on both servers
+                    body = ask(router.url, context + questions[q], 6)
+                    children.append(outcome(body))
+                    answers.setdefault((s, q), []).append(body["output_ids"])
+            read = [c for c in children if c.get("child")]
+            assert len(read) / len(children) >= 0.95, children  # the issue's bar: 95% with the shared directory
+            from_disk = [c for c in read if c.get("restored_from") == "disk"]
+            assert from_disk, children  # some children landed on the server that did not compact their parent
+            for (s, q), outputs in answers.items():  # from the pool or from disk: the same tokens
+                assert all(o == outputs[0] for o in outputs), (s, q, outputs)
+            stats = [w.stats() for w in (first, second)]
+            assert sum(s["disk_files_written"] for s in stats) == len(sessions) and stats[0]["disk_contexts"] == len(sessions)
+            assert sum(s["disk_restores"] for s in stats) == len(from_disk)
+            assert all(s["disk_files_refused"] == 0 and s["restore_failures"] == 0 for s in stats)
+            # The HF oracle with the keep-set the compacting server chose: what a restored child answers.
+            owner = next(w for w in (first, second) if any(c["context_tokens"] == len(sessions[0])
+                                                          for c in w.stats()["compacted_contexts"]))
+            keep = served_keep_set(owner, len(sessions[0]), POLICY, P)
+            expected, _ = ref.compacted_generate(sessions[0], keep, questions[0], 6)
+            assert answers[(0, 0)][0] == expected
+
+            # kill -9 one worker mid-session: the router sends its children to the other, which restores
+            # the contexts the dead one compacted from disk.
+            os.killpg(first.proc.pid, signal.SIGKILL)
+            first.proc.wait(30)
+            late = [ask(router.url, context + questions[1], 6) for context in sessions]
+            assert all(outcome(b).get("child") for b in late), [outcome(b) for b in late]
+            assert [b["output_ids"] for b in late] == [answers[(s, 1)][0] for s in range(len(sessions))]
+            assert len(second.stats()["compacted_contexts"]) == len(sessions)  # every context now in its pool
+
+        # A fresh server on the directory (the killed one's restart): every context restores from disk.
+        restarted = worker(demo_paths["tiny-llama"], directory).start()
+        body = ask(restarted.url, sessions[2] + questions[0], 6)
+        assert outcome(body).get("restored_from") == "disk" and body["output_ids"] == answers[(2, 0)][0]
+        stats = restarted.stats()
+        assert stats["disk_contexts"] == len(sessions) and stats["disk_restores"] == 1 and stats["compactions_done"] == 0
+        assert stats["disk_tier"]["files_refused_by_reason"] == {}
+        metrics = requests.get(restarted.url + "/metrics", timeout=30).text
+        assert "sglang:kvx_disk_restores_total" in metrics
+    finally:
+        for server in (first, second, restarted):
+            if server is not None:
+                server.stop()
