@@ -1,23 +1,29 @@
-"""Restoring a compacted context from host memory against paying its prefill and compaction again.
+"""Restoring a compacted context from a tier (host memory or disk) against paying its prefill and compaction again.
 
-    OMP_NUM_THREADS=1 python perf/bench_tiers.py [--model tiny-llama] [--lengths 2048,8192] [--keep-fraction 0.1]
+    OMP_NUM_THREADS=1 python perf/bench_tiers.py [--tier host|disk] [--model tiny-llama] [--lengths 2048,8192]
+        [--keep-fraction 0.1]
 
-One real server with ``--kvx-host-store-gb`` (issue #44's host tier), a pool just large enough for
-the longest context, no store reserve. For each context length, ``--repeats`` times, all in one run:
+One real server with one tier of issue #44 on: ``--kvx-host-store-gb`` (``--tier host``) or
+``--kvx-context-dir`` on a temporary directory (``--tier disk``: safetensors files plus manifests,
+written with fsync; read back through the page cache, which a just-written file is in -- a cold
+read from the device is not measured), a pool just large enough for the longest context, no store
+reserve. For each context length, ``--repeats`` times, all in one run:
 
 1. a child of the context on an empty store: SGLang's full prefill of context + question (what a
    child of a dropped context pays when nobody re-sends its parent);
 2. the parent sent again: prefill + compaction (what it costs to have the context compacted anew);
 3. its child served from the pool;
-4. a plain request filling the pool pushes the context out to host memory;
-5. the same child again: restored from host memory (one copy of the kept bytes) and served;
-   it must say ``restored_from: host`` and answer with the same tokens as in 3.
+4. a plain request filling the pool pushes the context out to the tier;
+5. the same child again: restored from the tier (one copy of the kept bytes; from disk, the file
+   read and checked first) and served; it must say ``restored_from`` the tier and answer with the
+   same tokens as in 3.
 
 Prints one JSON object: per length the medians, ``restore_s`` (the server's own time to take slots
 and copy the entries back), and the ratios ``reprefill_compaction_over_restore`` (the work a
 restore replaces, over the restore) and ``child_speedup`` (a re-sent parent plus its child from the
 pool, over the restored child). ``--url URL`` runs against a server already running (it must have
-the host tier on and ``--kvx-min-store-fraction 0``; its pool and context length bound the lengths).
+the tier on -- and, for ``--tier disk``, no host tier above it -- and ``--kvx-min-store-fraction 0``;
+its pool and context length bound the lengths).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 
 import requests
@@ -63,7 +70,7 @@ def flush(url: str) -> None:
     flush_cache(url, timeout=120)  # retried while SGLang still counts the last request as pending
 
 
-def one_round(url: str, length: int, fill: int, kvx: dict, seed: int) -> dict:
+def one_round(url: str, tier: str, length: int, fill: int, kvx: dict, seed: int) -> dict:
     context, question = ids(seed, length), ids(seed + 1, QUESTION)
     flush(url)
     full_prefill_s, cold = post(url, context + question, NEW_TOKENS, kvx)  # nothing stored: SGLang's prefill
@@ -73,17 +80,17 @@ def one_round(url: str, length: int, fill: int, kvx: dict, seed: int) -> dict:
     timings = requests.get(url + "/kvx/stats", timeout=60).json()["compacted_contexts"][0]["timings"]
     child_pool_s, from_pool = post(url, context + question, NEW_TOKENS, kvx)
     assert outcome(from_pool).get("child") is True, outcome(from_pool)
-    post(url, ids(seed + 2, fill), 1, None)  # plain: it needs the context's slots, which go to host memory
+    post(url, ids(seed + 2, fill), 1, None)  # plain: it needs the context's slots, which go to the tier
     stats = requests.get(url + "/kvx/stats", timeout=60).json()
-    assert stats["host_contexts"] == 1 and not stats["compacted_contexts"], "the context did not move to host memory"
+    assert stats[f"{tier}_contexts"] == 1 and not stats["compacted_contexts"], f"the context did not move to the {tier} tier"
     child_restored_s, restored = post(url, context + question, NEW_TOKENS, kvx)
     said = outcome(restored)
-    assert said.get("restored_from") == "host", said
+    assert said.get("restored_from") == tier, said
     assert restored["output_ids"] == from_pool["output_ids"], "the restored child answered differently"
     return {"full_prefill_child_s": full_prefill_s, "reprefill_compaction_s": reprefill_s,
             "compaction_server_s": timings["signals_s"] + timings["score_select_s"] + timings["compact_s"],
             "child_from_pool_s": child_pool_s, "restore_s": said["restore_s"], "child_restored_s": child_restored_s,
-            "slots": outcome(parent)["slots"], "host_bytes": stats["host_bytes"],
+            "slots": outcome(parent)["slots"], f"{tier}_bytes": stats[f"{tier}_bytes"],
             "same_tokens_as_full_prefill": cold["output_ids"] == from_pool["output_ids"]}
 
 
@@ -94,6 +101,7 @@ def main() -> None:
     parser.add_argument("--keep-fraction", type=float, default=0.1)
     parser.add_argument("--policy", default="knorm")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tier", choices=("host", "disk"), default="host")
     add_url_option(parser, ("tiers",))
     args = parser.parse_args()
     url = urls_from_args(parser, args.url, ("tiers",)).get("tiers")
@@ -101,9 +109,11 @@ def main() -> None:
     ensure_demo_models()
     path = weights_root() / args.model
     pool = max(lengths) + QUESTION + NEW_TOKENS + MARGIN
+    directory = tempfile.TemporaryDirectory(prefix="kvx-bench-tiers-")
+    tier_flags = ("--kvx-host-store-gb", "4") if args.tier == "host" else ("--kvx-context-dir", directory.name)
     server = server_or_url(url, path, "--context-length", str(pool), "--kvx-policy", args.policy,
                            "--kvx-keep-fraction", str(args.keep_fraction), "--kvx-min-store-fraction", "0",
-                           "--kvx-host-store-gb", "4", max_total_tokens=pool)
+                           *tier_flags, max_total_tokens=pool)
     kvx = {"policy": args.policy, "keep_fraction": args.keep_fraction}
     rounds: dict[int, list[dict]] = {n: [] for n in lengths}
     try:
@@ -111,25 +121,29 @@ def main() -> None:
         served = describe(server.url)
         if url:
             served.require_model(path)
-            if not served.settings.get("host_store_gb"):
+            if args.tier == "host" and not served.settings.get("host_store_gb"):
                 served.refuse("it needs the host tier on (--kvx-host-store-gb)")
+            if args.tier == "disk" and (not served.settings.get("context_dir") or served.settings.get("host_store_gb")):
+                served.refuse("it needs the disk tier on (--kvx-context-dir) and no host tier above it")
             if served.settings.get("min_store_fraction"):
                 served.refuse("it needs --kvx-min-store-fraction 0 (a plain request must be able to push the context out)")
         fill = min(served.pool_tokens, served.context_length) - 8  # more than the room the stored context leaves
         served.require_context(max(lengths) + QUESTION + NEW_TOKENS + 1, "the longest context and its child")
         for repeat in range(args.repeats):
             for length in lengths:
-                rounds[length].append(one_round(server.url, length, fill, kvx, seed=1000 * repeat + length))
+                rounds[length].append(one_round(server.url, args.tier, length, fill, kvx, seed=1000 * repeat + length))
         flush(server.url)
     finally:
         server.stop()
-    result = {"model": args.model, "policy": args.policy, "keep_fraction": args.keep_fraction,
+        directory.cleanup()
+    bytes_key = f"{args.tier}_bytes"
+    result = {"tier": args.tier, "model": args.model, "policy": args.policy, "keep_fraction": args.keep_fraction,
               "repeats": args.repeats, "question_tokens": QUESTION, "new_tokens": NEW_TOKENS,
               "server": {k: v for k, v in served.summary().items() if k != "url"}, "lengths": {}}
     for length, runs in rounds.items():
         row = {key: round(statistics.median(r[key] for r in runs), 6)
-               for key in runs[0] if key not in ("slots", "host_bytes", "same_tokens_as_full_prefill")}
-        row.update(slots=runs[0]["slots"], host_bytes=runs[0]["host_bytes"],
+               for key in runs[0] if key not in ("slots", bytes_key, "same_tokens_as_full_prefill")}
+        row.update(slots=runs[0]["slots"], **{bytes_key: runs[0][bytes_key]},
                    same_tokens_as_full_prefill=all(r["same_tokens_as_full_prefill"] for r in runs))
         row["reprefill_compaction_over_restore"] = round(row["reprefill_compaction_s"] / row["restore_s"], 1)
         row["child_speedup"] = round((row["reprefill_compaction_s"] + row["child_from_pool_s"]) / row["child_restored_s"], 2)

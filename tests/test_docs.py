@@ -173,6 +173,7 @@ COMMANDS = (
     (re.compile(r"sglang-kvx (demo|build-demo|convert-smollm2)"), lambda m: "cli." + m.group(1)),
     (re.compile(r"\bperf/(\w+)\.py"), lambda m: "perf." + m.group(1)),
     (re.compile(r"scripts/test\.sh"), lambda m: "test.sh"),
+    (re.compile(r"python -m sglang_router\.launch_router"), lambda m: "router"),
 )
 
 
@@ -184,6 +185,8 @@ def help_module(key: str) -> tuple[str, str]:
         return "module", "sglang_kvx." + key
     if key.startswith("cli."):
         return "module", "sglang_kvx.cli"
+    if key == "router":  # SGLang's router (the test extra installs it)
+        return "module", "sglang_router.launch_router"
     return "path", str(ROOT / "perf" / (key[5:] + ".py"))
 
 
