@@ -88,6 +88,18 @@ class CompactedContext:
         }
 
 
+def longest_extended(entries, prompt_ids, settings: CompactionSettings):
+    """The longest of ``entries`` (each with ``context_ids``, ``n`` and ``settings``: a stored context
+    or one held in a tier) with ``settings`` that the prompt strictly extends; None when none does."""
+    best = None
+    for entry in entries:
+        n = entry.n
+        if (entry.settings == settings and n < len(prompt_ids) and (best is None or n > best.n)
+                and tuple(prompt_ids[:n]) == entry.context_ids):
+            best = entry
+    return best
+
+
 @dataclass
 class ContextStore:
     """Compacted contexts keyed by (token ids, settings); a prompt adopts the longest stored prefix.
@@ -126,17 +138,7 @@ class ContextStore:
 
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> CompactedContext | None:
         """The longest context stored with ``settings`` that the prompt strictly extends."""
-        best = None
-        for context in self.contexts.values():
-            n = context.n
-            if (
-                context.settings == settings
-                and n < len(prompt_ids)
-                and (best is None or n > best.n)
-                and tuple(prompt_ids[:n]) == context.context_ids
-            ):
-                best = context
-        return best
+        return longest_extended(self.contexts.values(), prompt_ids, settings)
 
     def remove(self, context: CompactedContext) -> None:
         del self.contexts[self.key_of(context.context_ids, context.settings)]

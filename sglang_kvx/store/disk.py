@@ -38,7 +38,7 @@ import torch
 
 from sglang_kvx.compact.layout import Borrowed, LayerCells, PrefixLayout
 from sglang_kvx.settings import CompactionSettings
-from sglang_kvx.store import PrefixCells
+from sglang_kvx.store import PrefixCells, longest_extended
 from sglang_kvx.store.tiers import TieredContext
 
 logger = logging.getLogger(__name__)
@@ -270,13 +270,7 @@ class DiskTier:
 
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> DiskEntry | None:
         self.scan()
-        best = None
-        for entry in self.entries.values():
-            n = entry.n
-            if (entry.settings == settings and n < len(prompt_ids) and (best is None or n > best.n)
-                    and tuple(prompt_ids[:n]) == entry.context_ids):
-                best = entry
-        return best
+        return longest_extended(self.entries.values(), prompt_ids, settings)
 
     def take(self, entry: DiskEntry) -> TieredContext:
         """The context read back, checked; the files stay (another server, or a restart, may read them).

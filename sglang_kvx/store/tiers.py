@@ -25,7 +25,7 @@ import torch
 from sglang_kvx.compact.layout import PrefixLayout
 from sglang_kvx.settings import CompactionSettings
 from sglang_kvx.signals.recorder import tensor_bytes
-from sglang_kvx.store import PrefixCells
+from sglang_kvx.store import PrefixCells, longest_extended
 
 
 @dataclass
@@ -140,13 +140,7 @@ class HostTier:
         return min(over or self.entries.values(), key=lambda e: e.last_used)
 
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> TieredContext | None:
-        best = None
-        for entry in self.entries.values():
-            n = entry.n
-            if (entry.settings == settings and n < len(prompt_ids) and (best is None or n > best.n)
-                    and tuple(prompt_ids[:n]) == entry.context_ids):
-                best = entry
-        return best
+        return longest_extended(self.entries.values(), prompt_ids, settings)
 
     def take(self, entry: TieredContext) -> TieredContext:
         self._remove(entry)
