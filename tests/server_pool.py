@@ -101,7 +101,7 @@ def whole_pool_problem(stats: dict) -> str | None:
     ranks = stats["ranks"] if "ranks" in stats else [stats]
     for rank in ranks:
         total, free = rank["kv_pool_total_tokens"], rank["kv_pool_free_tokens"]
-        leftovers = {key: rank[key] for key in ("store_slots", "decode_rows", "second_passes_pending", "host_contexts")
+        leftovers = {key: rank[key] for key in ("store_slots", "decode_rows", "second_passes_pending", "host_contexts", "disk_contexts")
                      if rank.get(key)}
         if rank.get("compacted_contexts"):
             leftovers["compacted_contexts"] = len(rank["compacted_contexts"])
