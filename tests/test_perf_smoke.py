@@ -1,6 +1,7 @@
 """Every benchmark in perf/ (but gpu_check.py: test_ops_prefix_attention.py runs its --smoke sizes;
 kvpress_compare.py with its worker, which need a 661 MB venv of kvpress from PyPI; and bench_router.py,
-which needs sglang-router, not a dependency of the package: run by hand) at smoke size, so none can rot.
+which starts workers and routers of its own: its router process and the shared context directory are
+exercised in test_context_dir_e2e.py) at smoke size, so none can rot.
 
 One test runs them all, each script as its own subprocess (its imports, threads and exit status its
 own), with its smallest inputs, against the suite's shared servers wherever one fits the script's
