@@ -5,8 +5,9 @@ and its child, every decode step with its default options, the request fields' o
 the request shapes SGLang offers (log-probabilities from inside and from past a compacted context,
 ``n > 1``, streaming, the OpenAI completions and chat routes). The server modes: the dense model
 compacting, with chunked prefill, block-sparse, plain; the hybrid GDN model compacting; the dense
-model with ``--page-size 16``; a learned-gate checkpoint evicting by its gates. Tensor parallelism
-is not a mode here (two ranks on the suite's two cores): ``test_parallel.py`` serves its features.
+model with ``--page-size 16``; a learned-gate checkpoint evicting by its gates; and the hybrid under
+``--tp-size 2`` (GateSight by default), run from ``test_parallel.py`` beside the oracle checks on the
+same server (it is started once there: a TP server is not kept idle).
 For each mode, each feature is either
 
 - served: 200, and the same tokens when sent again inside a concurrent batch of other requests
@@ -32,7 +33,7 @@ from sglang_kvx.policies import servable_policy_names
 
 from test_compaction_e2e import GREEDY, text
 
-MODES = ("compacting", "chunked", "sparse", "plain", "hybrid", "paged", "gated")
+MODES = ("compacting", "chunked", "sparse", "plain", "hybrid", "paged", "gated")  # and "tp": test_parallel.py
 TIMEOUT = 120
 GATED_CELL = "sigmoid-rope-gate"
 
@@ -128,7 +129,11 @@ def _noise(ref, i: int) -> dict:
 @pytest.mark.parametrize("mode", MODES)
 def test_every_feature_is_served_alike_alone_and_mixed_or_refused_by_name(mode, shared_server, server_pool, references,
                                                                          demo_paths) -> None:
-    server, ref = _server(mode, shared_server, server_pool, references, demo_paths)
+    check_matrix(mode, *_server(mode, shared_server, server_pool, references, demo_paths))
+
+
+def check_matrix(mode: str, server, ref) -> None:
+    """Every feature on ``server``: served alike alone and in a concurrent batch, or refused by name."""
     matrix: dict[str, str] = {}
     problems = []
     for name, sends in _features(ref).items():

@@ -4,10 +4,12 @@ router (``sglang-router``, round robin). A child landing on the server that did 
 parent restores the context from disk (``restored_from: "disk"``) and answers token for token as
 the child read from the pool does, and as the HF oracle does with the served keep-set. A worker
 killed with kill -9 mid-session: the router takes its children elsewhere, where they restore from
-disk; a server started afresh on the directory (the restart) restores the killed one's contexts."""
+disk; a server started afresh on the directory (the restart) restores the killed one's contexts,
+and refuses (and removes) a file corrupted on disk, answering its child by a full prefill."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -96,6 +98,21 @@ def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_con
         assert stats["disk_tier"]["files_refused_by_reason"] == {}
         metrics = requests.get(restarted.url + "/metrics", timeout=30).text
         assert "sglang:kvx_disk_restores_total" in metrics
+
+        # A corrupted file (one byte flipped on disk) is never served: refused, removed, and its child
+        # answered by a full prefill -- the plain model's own tokens -- with the reason.
+        manifest = next(m for m in directory.glob("*.json") if json.loads(m.read_text())["context_ids"] == sessions[3])
+        tensors = directory / json.loads(manifest.read_text())["tensors"]
+        data = bytearray(tensors.read_bytes())
+        data[-3] ^= 0x10
+        tensors.write_bytes(bytes(data))
+        body = ask(restarted.url, sessions[3] + questions[0], 6)
+        said = outcome(body)
+        assert not said.get("child") and "checksum" in said.get("reason", ""), said
+        assert body["output_ids"] == ref.greedy(sessions[3] + questions[0], 6)
+        stats = restarted.stats()
+        assert stats["disk_tier"]["files_refused_by_reason"] == {"checksum": 1} and stats["restore_failures"] == 1
+        assert not manifest.exists() and not tensors.exists() and stats["disk_contexts"] == len(sessions) - 1
     finally:
         for server in (first, second, restarted):
             if server is not None:

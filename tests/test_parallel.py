@@ -117,13 +117,17 @@ def test_children_on_a_two_rank_server_reuse_the_compacted_context(demo_paths, r
         assert answer == ref.compacted_greedy(context, keep, question, 6)
 
 
+def two_ranks_spec(path):
+    """The one ``--tp-size 2`` server of the suite (the hybrid: one KV head, two of the four query
+    heads' output gates and two of the four value heads of every GDN layer on each rank); the
+    combination matrix's ``tp`` mode shares it."""
+    return spec(path, "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--tp-size", "2", max_total_tokens=4096)
+
+
 @pytest.fixture
 def two_ranks(demo_paths, references, server_pool):
-    """The one ``--tp-size 2`` server of the suite (the hybrid: one KV head, two of the four query
-    heads' output gates and two of the four value heads of every GDN layer on each rank)."""
     name = "tiny-hybrid-deep"
-    return server_pool.get(spec(demo_paths[name], "--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2",
-                                "--tp-size", "2", max_total_tokens=4096)), references[name]
+    return server_pool.get(two_ranks_spec(demo_paths[name])), references[name]
 
 
 @pytest.mark.slow
@@ -207,3 +211,11 @@ def test_gatesight_and_gate_budgets_under_tensor_parallelism(two_ranks, compacti
             assert body_one["output_ids"] == expected_ids == body_two["output_ids"], (policy, allocation)
             served_lp = [e[0] for e in body_two["meta_info"]["output_token_logprobs"]]
             assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
+
+
+@pytest.mark.slow
+def test_every_feature_under_two_ranks_is_served_alike_or_refused_by_name(two_ranks) -> None:
+    """The combination matrix's ``tp`` mode (issue #41; ``test_combinations.py``) on this file's server."""
+    from test_combinations import check_matrix
+
+    check_matrix("tp", *two_ranks)
