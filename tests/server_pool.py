@@ -16,6 +16,8 @@ most of the suite, so that tests share servers instead of each starting their ow
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -59,6 +61,9 @@ SPARSE_BUDGET = 32  # tokens per query on the shared sparse servers: 8 four-toke
 CHUNK = 512  # prefill chunk of the shared chunked-prefill server
 SHARED_KINDS = ("plain", "compacting", "recomputing", "chunked", "sparse", "gated_cell", "tiered")
 TIERED_POOL = 2048  # the host-tier server's KV pool: one long request evicts every stored context
+# The tiered server's context directory: one per pytest process (its flush empties it; pytest-xdist
+# workers start their own servers).
+TIERED_DIR = Path(tempfile.gettempdir()) / f"kvx-suite-contexts-{os.getpid()}"
 
 
 def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: dict[str, str] | None = None) -> ServerSpec:
@@ -89,10 +94,10 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
         return spec(path, "--dtype", "float32", "--kvx-decode-steps", "on", "--kvx-policy-modules", "throwaway_decode",
                     max_total_tokens=4096, env=env)
     if kind == "tiered":  # a small pool, no store reserve (any request may evict), contexts evicted to
-        # host memory (issue #44), /metrics
+        # host memory and written to disk when stored (issue #44), /metrics
         return spec(path, "--context-length", str(TIERED_POOL), "--kvx-policy", "knorm", "--kvx-keep-fraction", "0.5",
-                    "--kvx-min-store-fraction", "0", "--kvx-host-store-gb", "0.5", "--enable-metrics",
-                    max_total_tokens=TIERED_POOL)
+                    "--kvx-min-store-fraction", "0", "--kvx-host-store-gb", "0.5", "--kvx-context-dir", str(TIERED_DIR),
+                    "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=TIERED_POOL)
     raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
 
 

@@ -2,14 +2,19 @@
 context pushed out of the pool by a long request moves to host memory; its next child is restored
 from there (``meta_info["kvx"]["restored_from"] == "host"``) and answers token for token as the same
 child did before the eviction and as the HF oracle does with the served keep-set -- on the dense
-model and on the hybrid one (its GDN snapshot travels with the context). The figures show on
-``/kvx/stats`` and ``/metrics``; ``/flush_cache`` empties the tier (the shared pool checks it whole)."""
+model and on the hybrid one (its GDN snapshot travels with the context). The same server writes
+every compacted context to its ``--kvx-context-dir``: the files put back after ``/flush_cache``
+emptied every tier (what a restart finds) are restored from disk, token-identical too. The figures
+show on ``/kvx/stats`` and ``/metrics``; ``/flush_cache`` empties the tiers (the shared pool checks
+them whole)."""
 
 from __future__ import annotations
 
 import pytest
 
-from server_pool import TIERED_POOL
+import shutil
+
+from server_pool import TIERED_DIR, TIERED_POOL
 from test_compaction_e2e import ask, compact, generate, kvx, scrape, served_keep_set, stored, text
 
 pytestmark = pytest.mark.slow
@@ -103,3 +108,33 @@ def test_flush_cache_empties_the_host_tier(tiered):
     body = ask(server, context, question, POLICY, P, max_new_tokens=6)
     assert not body["meta_info"].get("kvx")
     assert body["output_ids"] == ref.greedy(context + question, 6)
+
+
+def test_a_persisted_context_comes_back_from_disk_token_identical(tiered, tmp_path):
+    """Written when stored (--kvx-persist-contexts); the files put back after /flush_cache emptied the
+    pool, host memory and the directory -- a restarted server's view -- and a child restores them."""
+    name, server, ref = tiered
+    server.flush()
+    start = server.stats()
+    context = ref.encode(text(300, seed=4800))
+    question = ref.encode(" Question: which word comes next? Answer:")
+    compact(server, context, POLICY, P)
+    keep = served_keep_set(server, len(context), POLICY, P)
+    before = child(server, context, question, None)
+    written = server.stats()
+    assert written["disk_files_written"] - start["disk_files_written"] == 1 and written["disk_contexts"] == 1
+    saved = tmp_path / "saved"
+    shutil.copytree(TIERED_DIR, saved)
+    server.flush()
+    assert server.stats()["disk_contexts"] == 0 and not any(TIERED_DIR.iterdir())
+    for file in saved.iterdir():
+        shutil.copy2(file, TIERED_DIR / file.name)
+    after = child(server, context, question, None)
+    outcome = after["meta_info"]["kvx"][-1]
+    assert outcome["child"] is True and outcome["restored_from"] == "disk", outcome
+    assert after["output_ids"] == before["output_ids"]
+    expected_ids, _ = ref.compacted_generate(context, keep, question, 8)
+    assert after["output_ids"] == expected_ids
+    restored = server.stats()
+    assert restored["disk_restores"] - start["disk_restores"] == 1 and restored["disk_files_refused"] == start["disk_files_refused"]
+    assert restored["compactions_done"] - start["compactions_done"] == 1  # the restore is no new compaction

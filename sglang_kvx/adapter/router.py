@@ -22,11 +22,15 @@ class RouterProcess:
         self.log = tempfile.NamedTemporaryFile(prefix=f"router-{policy}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--policy", policy, "--worker-urls", *worker_urls, *extra],
+             "--policy", policy, "--worker-urls", *worker_urls,
+             # its metrics exporter's own port: the default (29000) is one for the whole machine
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra],
             stdout=self.log, stderr=subprocess.STDOUT, env=server_env())
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 120.0) -> "RouterProcess":
+    def wait_ready(self, timeout: float = 300.0) -> "RouterProcess":
+        """Until the router answers a generate request (its Python start alone takes seconds, minutes on
+        a loaded 2-core machine; then it checks every worker's health)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -54,7 +58,11 @@ class RouterProcess:
             self.proc.wait(timeout=30)
 
     def __enter__(self) -> "RouterProcess":
-        return self.wait_ready()
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()  # __exit__ is not called when __enter__ raises
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
