@@ -1,11 +1,17 @@
-"""Sessions per pool, measured: N shared documents x M questions against one fixed KV pool, compaction on vs off.
+"""Sessions per pool, measured: N shared documents x M questions against one fixed KV pool, compaction on vs off (vs tiered).
 
     OMP_NUM_THREADS=1 python perf/bench_sessions.py [--model tiny-hybrid-deep] [--pool 32768] [--length 2048]
         [--sessions 24] [--questions 4] [--clients 4] [--policy gatesight] [--keep-fraction 0.1] [--seed 0]
+        [--arms off,on[,tiered]] [--host-store-gb 1]
 
-Two arms, one real server each (run one after the other), the same workload, radix cache on in both:
+Up to three arms, one real server each (run one after the other), the same workload and pool, radix cache on in all:
   - ``off``: ``--kvx-policy none`` (SGLang with the extension doing nothing);
-  - ``on``: ``--kvx-policy gatesight --kvx-keep-fraction 0.1`` (every document compacted).
+  - ``on``: ``--kvx-policy gatesight --kvx-keep-fraction 0.1`` (every document compacted);
+  - ``tiered`` (only when ``--arms`` names it): the ``on`` server plus ``--kvx-host-store-gb``
+    (issue #44): a compacted context the pool evicts moves to host memory, and its next child is
+    restored from there (``meta_info.kvx`` says ``restored_from: "host"``) instead of re-prefilled.
+    Run it with a ``--pool`` that holds only a handful of compacted contexts and many more
+    ``--sessions``: the pool alone (``on``) then re-prefills nearly every question after round 0.
 The workload: ``--sessions`` documents of about ``--length`` tokens (the evaluation suite's
 niah_single_2, one fact each, seed ``--seed``, sample i for session i), each asked its question
 ``--questions`` times, rounds interleaved round-robin (round r asks session 0, 1, ..., N-1), so the
@@ -36,11 +42,18 @@ What counts, all measured from the server's answers:
     Both arms report ``peak_pool_tokens_in_use`` (pool total - free, same polls).
   - ``questions_per_s``: questions answered / the workload's wall time (commits and re-sent
     parents included); ``latency_p50_s`` / ``latency_p99_s``: per question request, end to end.
-Prints one JSON object.
+  - ``sessions_without_reprefill``: sessions all of whose questions hit (in ``tiered`` a child
+    restored from host memory is a hit: its document is not prefilled again);
+    ``restored_children``: questions served as children restored from a tier. The ``tiered`` arm
+    also reports ``restored_from`` (per tier) and ``/kvx/stats``' host counts at the end
+    (``host_contexts_stored``, ``host_contexts_dropped``, ``host_restores``,
+    ``host_restore_seconds``, ``host_contexts``, ``host_bytes``).
+Prints one JSON object; with the ``tiered`` arm, ``ratios`` holds ``tiered/on`` and ``tiered/off``
+of sessions_without_reprefill, questions_per_s, latency p50/p99 and context_reprefills.
 
-``--url off=URL`` / ``--url on=URL`` run an arm against a server already running (flushed before the
+``--url off=URL`` / ``--url on=URL`` / ``--url tiered=URL`` run an arm against a server already running (flushed before the
 workload, used as launched): the ``off`` arm's must serve ``--kvx-policy none``, the ``on`` arm's a
-compacting policy, which the ``on`` arm's parents then use (their requests name none), and both
+compacting policy (the ``tiered`` arm's one too, with ``--kvx-host-store-gb``), which the ``on`` arm's parents then use (their requests name none), and both
 arms one pool size; ``pool_tokens``, ``policy``, ``keep_fraction`` and each arm's
 ``server_flags`` are then the servers' own (``perf/served.py``).
 """
@@ -59,7 +72,8 @@ from sglang_kvx.serve.launcher import add_url_option, server_or_url, urls_from_a
 from served import Served, agree, describe  # perf/ is on the path when run as a script
 
 TASK = "niah_single_2"  # one fact in a per-sample essay: documents share only the task's introduction
-ARMS = ("off", "on")
+ARMS = ("off", "on", "tiered")
+HOST_KEYS = ("host_contexts_stored", "host_contexts_dropped", "host_restores", "host_restore_seconds", "host_contexts", "host_bytes")
 
 
 def build_documents(count: int, length: int, seed: int) -> list[dict]:
@@ -90,13 +104,17 @@ def served_arm(name: str, url: str, args) -> Served:
         served.refuse(f"the 'off' arm needs --kvx-policy none; it serves {served.policy}")
     if name == "on" and served.policy == "none":
         served.refuse("the 'on' arm needs a compacting --kvx-policy (its parents name none); it serves none")
+    if name == "tiered" and (served.policy == "none" or not served.settings.get("host_store_gb")):
+        served.refuse("the 'tiered' arm needs a compacting --kvx-policy and the host tier (--kvx-host-store-gb)")
     return served
 
 
 def run_arm(name: str, args, docs: list[dict], served: Served | None = None) -> dict:
     """One arm's workload on a server of its own, or on ``served`` (``--url``) as it was launched."""
-    on = name == "on"
+    on = name in ("on", "tiered")  # tiered: the 'on' server plus the host-memory tier
     flags = ["--kvx-policy", args.policy, "--kvx-keep-fraction", str(args.keep_fraction)] if on else ["--kvx-policy", "none"]
+    if name == "tiered":
+        flags += ["--kvx-host-store-gb", str(args.host_store_gb)]
     server = server_or_url(served and served.url, weights_root() / args.model, *flags,
                            "--context-length", str(args.length + 256), max_total_tokens=args.pool)
     if served is not None:
@@ -110,6 +128,7 @@ def run_arm(name: str, args, docs: list[dict], served: Served | None = None) -> 
     intervals: list[tuple[float, float]] = []
     counters = {"parents_sent": 0, "parents_resent": 0, "parents_not_compacted": 0}
     counter_lock = threading.Lock()
+    miss_said: dict[str, int] = {}
 
     def count(key: str) -> None:
         with counter_lock:
@@ -136,13 +155,20 @@ def run_arm(name: str, args, docs: list[dict], served: Served | None = None) -> 
         response.raise_for_status()
         body = response.json()
         meta = body["meta_info"]
+        restored = None
         if on:
-            hit = bool((meta.get("kvx") or [{}])[-1].get("child"))
+            said = (meta.get("kvx") or [{}])[-1]
+            hit, restored = bool(said.get("child")), said.get("restored_from")
         else:
             hit = meta["cached_tokens"] >= st["tokens"]
         if hit:
             intervals.append((st["since"], start))
-        records.append({"latency": end - start, "hit": hit, "right": doc["expected"] in body["text"]})
+        if on and not hit:  # what the server said about a question that was not a child (numbers left out)
+            said = {k: v for k, v in ((meta.get("kvx") or [{}])[-1]).items() if not isinstance(v, (int, float)) or isinstance(v, bool)}
+            with counter_lock:
+                miss_said[json.dumps(said, sort_keys=True)] = miss_said.get(json.dumps(said, sort_keys=True), 0) + 1
+        records.append({"session": s, "latency": end - start, "hit": hit, "restored": restored,
+                        "right": doc["expected"] in body["text"]})
         if not hit and on:  # compact it again, so the next questions are children
             commit(s)
             count("parents_resent")
@@ -207,15 +233,36 @@ def run_arm(name: str, args, docs: list[dict], served: Served | None = None) -> 
         "answers_right": sum(r["right"] for r in records),
         "parents_sent": counters["parents_sent"],
         "document_tokens_mean": round(float(np.mean([st["tokens"] for st in state if st["tokens"]])), 1),
+        # sessions all of whose questions hit (no question of theirs re-prefilled the document)
+        "sessions_without_reprefill": len({r["session"] for r in records} - {r["session"] for r in records if not r["hit"]}),
+        "restored_children": sum(r["restored"] is not None for r in records),
     }
+    if name == "tiered":
+        out.update({key: final.get(key) for key in HOST_KEYS})
+        out["restored_from"] = {tier: sum(r["restored"] == tier for r in records)
+                                for tier in sorted({r["restored"] for r in records if r["restored"]})}
     if on:
         out.update({
             "peak_store_contexts": max(peaks["store_contexts"], len(final.get("compacted_contexts", []))),
             "parents_resent": counters["parents_resent"],
             "parents_not_compacted": counters["parents_not_compacted"],
+            "reprefills_said": miss_said,  # meta_info.kvx of the questions that were not children, counted
             "contexts_evicted": final.get("contexts_evicted"),
             "slots_per_context_mean": round(float(np.mean([c["slots"] for c in final.get("compacted_contexts", [])] or [0])), 1),
         })
+    return out
+
+
+RATIO_KEYS = ("sessions_without_reprefill", "questions_per_s", "latency_p50_s", "latency_p99_s", "context_reprefills")
+
+
+def ratios(arms: dict, names: list[str]) -> dict:
+    """``tiered/on`` and ``tiered/off`` of the headline figures (None where the divisor is 0)."""
+    out = {}
+    for base in ("on", "off"):
+        if base in names:
+            out[f"tiered/{base}"] = {key: (round(arms["tiered"][key] / arms[base][key], 3) if arms[base][key] else None)
+                                     for key in RATIO_KEYS}
     return out
 
 
@@ -232,7 +279,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8, help="greedy answer tokens (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated documents (default %(default)s)")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between /kvx/stats polls (default %(default)s)")
-    parser.add_argument("--arms", default="off,on", help="arms to run, in order (default %(default)s)")
+    parser.add_argument("--arms", default="off,on", help="arms to run, in order: off, on, tiered (default %(default)s)")
+    parser.add_argument("--host-store-gb", type=float, default=1.0,
+                        help="--kvx-host-store-gb of the 'tiered' arm's server (default %(default)s)")
     add_url_option(parser, ARMS)
     args = parser.parse_args()
     urls = urls_from_args(parser, args.url, ARMS)
@@ -248,9 +297,10 @@ def main() -> None:
             parser.error(f"the arms would run on pools of {sorted(pools)} tokens: they must share one pool size "
                          "(pass --pool to match a started arm to a --url one)")
         pool = agree(parser, args, "pool", pools.pop(), ", ".join(urls.values()))
-        if "on" in served:
-            policy = agree(parser, args, "policy", served["on"].policy, urls["on"])
-            keep_fraction = agree(parser, args, "keep_fraction", served["on"].keep_fraction, urls["on"])
+        for name in ("on", "tiered"):
+            if name in served:
+                policy = agree(parser, args, "policy", served[name].policy, urls[name])
+                keep_fraction = agree(parser, args, "keep_fraction", served[name].keep_fraction, urls[name])
     docs = build_documents(args.sessions, args.length, args.seed)
     result = {
         "model": args.model, "pool_tokens": pool, "length": args.length, "task": TASK, "seed": args.seed,
@@ -258,6 +308,8 @@ def main() -> None:
         "policy": policy, "keep_fraction": keep_fraction,
         "arms": {name: run_arm(name, args, docs, served.get(name)) for name in names},
     }
+    if "tiered" in names:
+        result["ratios"] = ratios(result["arms"], names)
     print(json.dumps(result, indent=1))
 
 
