@@ -140,7 +140,10 @@ def test_the_longer_context_wins_wherever_it_is():
     assert "restored_from" not in other.state.outcome
 
 
-def test_a_child_whose_context_cannot_come_back_is_served_by_a_full_prefill():
+def test_a_child_whose_contexts_room_running_requests_hold_waits_in_the_queue_for_it():
+    """Its full prefill would need more room than the restore: it stays queued (the requests behind it
+    go on) until the running requests end, then reads the restored context -- never a full prefill
+    that depends on what else ran."""
     pool = TensorPool(slots=40)
     whole = pool.room()
     admission = server(pool)
@@ -149,14 +152,16 @@ def test_a_child_whose_context_cannot_come_back_is_served_by_a_full_prefill():
     admission.eviction.make_room(pool.room() + 2)  # the context goes to host memory
     running = pool.alloc(pool.room())  # ... and running requests hold every slot
     child = Child(list(ids) + [1])
-    assert admission.before_round(child) is False and child.error is None  # queued as a plain request, not refused
-    assert child.state.context is None and "no room in the KV pool" in child.state.outcome["reason"]
-    assert len(admission.eviction.tiering.host) == 1 and admission.eviction.tiering.restore_failures == 1
+    assert admission.before_round(child) is False and child.error is None and child.state.waits is True
+    assert child.state.context is None and "reason" not in (child.state.outcome or {})
+    tiering = admission.eviction.tiering
+    assert len(tiering.host) == 1 and tiering.restore_failures == 0 and tiering.restore_waits == 1
+    assert tiering.counts()["host_contexts_stored"] == 1  # put back, not counted as a new arrival
     pool.free(running)
     assert pool.room() == whole  # nothing half-restored holds a slot
-    assert admission.before_round(Child(list(ids) + [1])) is True  # room again: restored
+    assert admission.before_round(child) is True and child.state.outcome["restored_from"] == "host"  # room again
     admission.forget_all()
-    assert len(admission.eviction.tiering.host) == 0
+    assert len(tiering.host) == 0
 
 
 def test_without_the_flag_an_evicted_context_is_dropped():

@@ -22,6 +22,7 @@ from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Batch, KVPool, Request
 from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
 from sglang_kvx.serve.eviction import StoreEviction
+from sglang_kvx.serve.tiering import ROOM_LATER
 from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,9 @@ class Admission:
             context = self.store.longest_prefix_of(request.input_ids, settings)
             if self.eviction.tiering.holds_any():
                 context, restored_from, restore_problem = self.eviction.from_tiers(request.input_ids, settings, context, tenant)
+                if restore_problem == ROOM_LATER:  # its context comes back once running requests free the room
+                    state.waits = True  # queued; the requests behind it go on
+                    return False
             if context is None and self.passes_pending(request.input_ids, settings):
                 # Its context is being scored by second passes: served when they end, as the same child
                 # sent a moment later would be (not from the full cache, which would depend on timing).
@@ -155,11 +159,9 @@ class Admission:
                 return False
         logprobs_from = request.input_logprobs_from
         if context is not None and logprobs_from is not None and logprobs_from < context.n:
-            # Log-probabilities of the context's own tokens need its whole cache, as on a plain server:
-            # served by a full prefill, not as a child.
-            state.outcome = {"child": False, "context_tokens": context.n,
-                             "reason": f"logprob_start_len {logprobs_from} lies inside the stored context "
-                                       f"({context.n} tokens): served with the full cache"}
+            # Log-probabilities of the context's own tokens need its whole cache (a full prefill), as on plain SGLang.
+            state.outcome = {"child": False, "context_tokens": context.n, "reason": f"logprob_start_len {logprobs_from} "
+                             f"lies inside the stored context ({context.n} tokens): served with the full cache"}
             context = None
         if context is None:
             if restore_problem is not None:  # its context is in a tier the pool could not take it back from

@@ -82,7 +82,8 @@ class StoreEviction:
                    tenant: str | None) -> tuple[CompactedContext | None, str | None, str | None]:
         """A context longer than the pool's best for this prompt (``context``), held in a tier below the
         pool, back in the store -- a child then reads what it would have read had the context never
-        left. (context to read, the tier it came back from, why a restore failed): the pool's best on failure."""
+        left. (context to read, the tier it came back from, why a restore failed -- ``ROOM_LATER`` when
+        running requests hold its room): the pool's best on failure."""
         restored, why = self.tiering.restore(prompt_ids, settings, context.n if context is not None else 0,
                                              make_room=lambda count: self.make_room(count, tenant=tenant))
         if restored is None:

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 GB = 10**9  # --kvx-host-store-gb and --kvx-disk-store-gb count decimal gigabytes
 TIER_NAMES = ("host", "disk")
+ROOM_LATER = "room later"  # Tiering.restore: the slots are free once the running requests end
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,7 @@ class Tiering:
         self.restores = dict.fromkeys(TIER_NAMES, 0)
         self.restore_seconds = dict.fromkeys(TIER_NAMES, 0.0)
         self.restore_failures = 0  # a child fell back to a full prefill: its context could not come back
+        self.restore_waits = 0  # rounds a child stayed queued: its restore's room was held by running requests
         self.last_restore_failure: str | None = None
 
     @property
@@ -116,10 +118,12 @@ class Tiering:
         if self.persist_all and context.num_slots and not self.disk.holds(context.context_ids, context.settings):
             self.disk.put(self.copy_out(context))
 
-    def _put(self, index: int, entry: TieredContext) -> None:
+    def _put(self, index: int, entry: TieredContext, moved: bool = True) -> None:
+        """``entry`` into tier ``index``, what it lets go into the next one (``moved``: a new arrival,
+        counted; not a failed restore putting it back)."""
         tier = self.tiers[index]
         let_go = tier.put(entry)
-        if all(gone is not entry for gone in let_go):
+        if moved and all(gone is not entry for gone in let_go):
             self.moved_in[tier.name] += 1
         for gone in let_go:
             if index + 1 < len(self.tiers) and isinstance(gone, TieredContext):
@@ -128,10 +132,13 @@ class Tiering:
                 logger.info("sglang_kvx: %s tier let a %d-token context go (%d bytes)", tier.name, gone.n, gone.nbytes)
 
     def restore(self, prompt_ids, settings: CompactionSettings, beaten: int,
-                make_room: Callable[[int], None]) -> tuple[CompactedContext | None, str | None]:
+                make_room: Callable[[int], str | None]) -> tuple[CompactedContext | None, str | None]:
         """The longest tiered context the prompt extends, longer than ``beaten`` tokens (what the pool
         holds for it), back in the pool: (context, its tier's name), or (None, why not) -- why is None
-        when no tier holds one. ``make_room(S)`` asks the pool's eviction for S slots first."""
+        when no tier holds one, ``ROOM_LATER`` when running requests hold the room it needs (the child
+        stays queued, as SGLang queues a request that fits once they end: its full prefill would need
+        more). ``make_room(S)`` asks the pool's eviction for S slots first (it says why they can never
+        be free, else None)."""
         found = self._longest(prompt_ids, settings, beaten)
         if found is None:
             return None, None
@@ -145,10 +152,13 @@ class Tiering:
         if problem := self._misfit(entry):
             return None, self._failed(f"the {entry.n}-token context in the {tier.name} tier does not fit this "
                                       f"server's KV pool ({problem}); served by a full prefill")
-        make_room(entry.num_slots)
+        never = make_room(entry.num_slots)
         slots = self.pool.alloc(entry.num_slots)
         if slots is None:
-            tier.put(entry)  # back where it was (the disk tier still holds its file)
+            self._put(self.tiers.index(tier), entry, moved=False)  # back where it was (disk: its file is there)
+            if never is None:  # the running requests hold the room: it is free once they end
+                self.restore_waits += 1
+                return None, ROOM_LATER
             return None, self._failed(f"no room in the KV pool for the {entry.num_slots} slots of the "
                                       f"{entry.n}-token context held in the {tier.name} tier")
         device = slots.device
@@ -199,7 +209,7 @@ class Tiering:
     def counts(self) -> dict[str, float]:
         """Per tier: contexts and bytes held, moves in, contexts let go, restores and their seconds (0
         for a tier that is off, so /metrics keeps its names); the disk's files written and refused."""
-        out: dict[str, float] = {"restore_failures": self.restore_failures}
+        out: dict[str, float] = {"restore_failures": self.restore_failures, "restore_waits": self.restore_waits}
         if self.disk is not None:
             self.disk.scan()  # what other servers sharing the directory wrote or removed shows too
         for name in TIER_NAMES:
