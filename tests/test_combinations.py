@@ -6,8 +6,8 @@ the request shapes SGLang offers (log-probabilities from inside and from past a 
 ``n > 1``, streaming, the OpenAI completions and chat routes). The server modes: the dense model
 compacting, with chunked prefill, block-sparse, plain; the hybrid GDN model compacting; the dense
 model with ``--page-size 16``; a learned-gate checkpoint evicting by its gates; and the hybrid under
-``--tp-size 2`` (GateSight by default), run from ``test_parallel.py`` beside the oracle checks on the
-same server (it is started once there: a TP server is not kept idle).
+``--tp-size 2`` (GateSight by default), run from ``test_parallel.py`` on that file's server, in CI's
+long tier (a TP server keeps both cores busy: beside the suite's other worker it starved its servers).
 For each mode, each feature is either
 
 - served: 200, and the same tokens when sent again inside a concurrent batch of other requests

@@ -214,8 +214,13 @@ def test_gatesight_and_gate_budgets_under_tensor_parallelism(two_ranks, compacti
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_every_feature_under_two_ranks_is_served_alike_or_refused_by_name(two_ranks) -> None:
-    """The combination matrix's ``tp`` mode (issue #41; ``test_combinations.py``) on this file's server."""
+    """The combination matrix's ``tp`` mode (issue #41; ``test_combinations.py``) on this file's server.
+
+    In CI's long tier, which runs after the suite on one worker: a ``--tp-size 2`` server keeps both
+    cores busy even while idle, and the matrix keeps it up for a minute, which starved the other
+    worker's servers in the suite (a 236-token prefill took two minutes; a matrix request timed out)."""
     from test_combinations import check_matrix
 
     check_matrix("tp", *two_ranks)
