@@ -7,9 +7,10 @@ the same copy serves flat, folded and per-head layouts alike. ``restore`` (``ser
 when a child's longest stored prefix is in a tier) takes S fresh slots from the pool's allocator,
 writes the bytes back (one copy) and rebuilds the ``CompactedContext`` with its cells re-pointed at
 the new slots; the child then adopts it exactly as a context that never left. When the pool cannot
-give the slots, or a disk file is refused, the entry goes back to its tier (or the file is removed)
-and the child is served as if nothing were stored (a full prefill, the reason in its meta_info):
-never a stall, never a wrong answer. The host tier's let-go entries go down to the disk tier
+give the slots because running requests hold them, the entry goes back to its tier and the child
+waits in the queue until they end (its full prefill would need more room still); when the room can
+never be had, or a disk file is refused (and removed), the child is served as if nothing were stored
+(a full prefill, the reason in its meta_info): never a stall, never a wrong answer. The host tier's let-go entries go down to the disk tier
 (``store/disk.py``), which also takes every stored context at once with ``--kvx-persist-contexts``.
 """
 
@@ -80,10 +81,6 @@ class Tiering:
         self.restore_failures = 0  # a child fell back to a full prefill: its context could not come back
         self.restore_waits = 0  # rounds a child stayed queued: its restore's room was held by running requests
         self.last_restore_failure: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.tiers)
 
     def holds_any(self) -> bool:
         if self.disk is not None:
