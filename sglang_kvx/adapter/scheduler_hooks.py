@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from sglang_kvx.adapter.attention_inputs import tap_attention_inputs
 from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
 from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
@@ -47,6 +48,7 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     runner = scheduler.tp_worker.model_runner
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
         attach(holder, link)
+    tap_attention_inputs(runner.model)  # attention layers' input hidden states, for what reads them
 
 
 def _metrics(labels):

@@ -26,8 +26,7 @@ import torch
 
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.layout import fold_layers
-from sglang_kvx.policies import get_policy
-from sglang_kvx.policies.base import SecondPass
+from sglang_kvx.policies.base import PassLayer, SecondPass
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.settings import CompactionSettings, SettingsError
 from sglang_kvx.signals import CaptureSpec
@@ -82,16 +81,25 @@ class SecondPassRunner:
         self._prompts: dict[str, Any] = {}  # policy name -> its passes' prompt ids
         self._job_ids = itertools.count()
 
+    def rule(self, policy: str) -> SecondPass:
+        """The served policy instance's second pass (it may hold model resources: KVzip+'s o_proj)."""
+        return self.compactor.policy_of(policy).second_pass
+
     def prompt(self, policy: str) -> Any:
         if policy not in self._prompts:
             if self.tokenizer is None:
                 raise SettingsError(f"policy {policy!r} needs the server's tokenizer (do not pass --skip-tokenizer-init)")
-            self._prompts[policy] = get_policy(policy).second_pass.prompt_ids(self.tokenizer)
+            self._prompts[policy] = self.rule(policy).prompt_ids(self.tokenizer)
         return self._prompts[policy]
+
+    def capture_of(self, rid: str) -> CaptureSpec:
+        """What pass ``rid`` records inside its forward (its rule's ``capture()``)."""
+        job = self.jobs.get(rid)
+        return job.rule.capture() if job is not None else PASS_CAPTURE
 
     def check_fits(self, settings: CompactionSettings, n: int) -> str | None:
         """Why a parent of ``n`` tokens cannot be served (its passes exceed the context length), or None."""
-        rule = get_policy(settings.policy).second_pass
+        rule = self.rule(settings.policy)
         longest = n + rule.longest_pass(n, self.prompt(settings.policy), settings.protected_prefix_len)
         if longest > self.context_len:
             return (f"{settings.policy}'s reconstruction pass of this {n}-token context needs {longest} tokens of context "
@@ -135,7 +143,7 @@ class SecondPassRunner:
         snapshot = self.pool.snapshot_state(request) if self.pool.has_state else None
         context = full_context(context_ids, settings, slots, self.pool.num_layers, snapshot)
         context.tenant = tenant
-        rule = get_policy(settings.policy).second_pass
+        rule = self.rule(settings.policy)
         job = PassJob(rule=rule, context=context, passes={},
                       totals=[torch.zeros(self.pool.num_kv_heads, n, device=self.pool.device)
                               for _ in range(self.pool.num_layers)])
@@ -165,11 +173,14 @@ class SecondPassRunner:
             t0 = time.perf_counter()
             row = self.pool.row(request.row, len(request.input_ids))
             for layer in range(self.pool.num_layers):
-                keys = self.pool.read_keys(layer, row).transpose(0, 1).float()  # [Hkv, n + m, D]
-                queries = recording.state(PASS_SIGNAL).queries(layer)  # [Hq, m, D]
-                job.rule.accumulate(job.totals[layer], queries, keys, start, end,
-                                    protected_prefix_len=job.context.settings.protected_prefix_len,
-                                    scaling=recording.state(PASS_SIGNAL).scaling[layer])
+                pass_layer = PassLayer(
+                    layer=layer, queries=recording.state(PASS_SIGNAL).queries(layer),  # [Hq, m, D]
+                    keys=self.pool.read_keys(layer, row).transpose(0, 1).float(),  # [Hkv, n + m, D]
+                    scaling=recording.state(PASS_SIGNAL).scaling[layer],
+                    values=lambda layer=layer: self.pool.read(layer, row)[1].transpose(0, 1).float(),
+                    recording=recording)
+                job.rule.accumulate(job.totals[layer], pass_layer, start, end,
+                                    protected_prefix_len=job.context.settings.protected_prefix_len)
             job.accumulate_s += time.perf_counter() - t0
         if not job.passes:
             self._complete(job)

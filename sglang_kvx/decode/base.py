@@ -75,6 +75,7 @@ class DecodeStep:
     drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
     needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
     reads_attention: ClassVar[bool] = False  # per-head eviction scored by the attention its queries paid each entry
+    reads_attention_inputs: ClassVar[bool] = False  # its row state gets each attention layer's input hidden states
     model_hint: ClassVar[str] = ""  # what to serve when a model lacks what it ``needs``
     row_state: ClassVar[type[RowState]] = RowState  # its per-row state, counters and report (decode/row_state.py)
     budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step

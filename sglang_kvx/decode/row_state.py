@@ -92,3 +92,7 @@ class RowState:
 
     def after_attention(self, layer: int, seq_len: int, weights: Any, keys_of: KeysOf, decode: bool) -> None:
         pass
+
+    def attention_input(self, layer: int, positions: range, hidden: Any) -> None:
+        """Steps that ``reads_attention_inputs``: the input hidden states [t, hidden] of attention layer
+        ``layer`` for the row's tokens at ``positions`` (a prefill chunk, or the decode step's one token)."""

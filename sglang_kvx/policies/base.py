@@ -38,8 +38,9 @@ class ModelTraits:
             # where the per-head baselines (online H2O, KeyDiff) run as the paper compares them.
             return frozenset({"learned_gates"} if self.learned_gates else {"decode_attention_weights"})
         # "queries": the context's own query statistics (TriAttention); "reconstruction": KVzip's
-        # second, context-repeating pass. Any attention model can produce both.
-        signals = {"keys", "values", "attention", "queries", "reconstruction"}
+        # second, context-repeating pass; "hidden_states": each attention layer's input (KVzap).
+        # Any attention model can produce them.
+        signals = {"keys", "values", "attention", "queries", "reconstruction", "hidden_states"}
         if self.has_gdn:
             signals.add("gdn")
         if self.has_output_gate:
@@ -47,14 +48,31 @@ class ModelTraits:
         return frozenset(signals)
 
 
+@dataclass
+class PassLayer:
+    """One attention layer of one finished second pass, as ``SecondPass.accumulate`` reads it."""
+
+    layer: int  # attention-layer index
+    queries: torch.Tensor  # [Hq, m, D]: the pass's queries (after RoPE)
+    keys: torch.Tensor  # [Hkv, n + m, D]: the context's keys, then the pass's own
+    scaling: float  # the layer's softmax scale
+    values: Callable[[], torch.Tensor]  # () -> [Hkv, n + m, D], read from the pool only when asked
+    recording: Any  # the pass's recording: every signal ``SecondPass.capture()`` named (``recording.state(name)``)
+
+
 class SecondPass:
     """How a policy scores a context by further forwards over it (``KVPolicy.second_pass``; KVzip's
     reconstruction is one). The runtime (``compact/second_pass.py``) holds the parent's full KV,
-    queues one internal child of it per pass (``passes``: context ids + the pass's own), folds each
-    pass's captured queries and the keys of [context ; pass] into per-layer totals (``accumulate``),
-    and compacts with ``ContextSignals.<signal>`` set to those totals."""
+    queues one internal child of it per pass (``passes``: context ids + the pass's own), records
+    what ``capture()`` names inside each pass, folds each pass's layers into per-layer totals
+    (``accumulate``), and compacts with ``ContextSignals.<signal>`` set to those totals. The runtime
+    uses the policy instance's ``second_pass`` (built by ``from_config``, so it may hold model resources)."""
 
     signal: ClassVar[str] = ""  # the ContextSignals field the totals fill
+
+    def capture(self) -> CaptureSpec:
+        """What each pass records inside its forward (default: its queries)."""
+        return CaptureSpec(pass_queries=True)
 
     def prompt_ids(self, tokenizer: Any) -> Any:
         """Token ids the passes are built from (computed once per server, from its tokenizer)."""
@@ -68,10 +86,8 @@ class SecondPass:
         """Tokens of the longest pass over an ``n``-token context (it must fit the context length beside it)."""
         raise NotImplementedError
 
-    def accumulate(self, total: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, start: int, end: int, *,
-                   protected_prefix_len: int, scaling: float) -> None:
-        """Fold one pass of one attention layer into ``total`` [kv_heads, n] (queries [Hq, m, D]; keys
-        [Hkv, n + m, D]: the context's, then the pass's own)."""
+    def accumulate(self, total: torch.Tensor, layer: PassLayer, start: int, end: int, *, protected_prefix_len: int) -> None:
+        """Fold one pass of one attention layer into ``total`` [kv_heads, n]."""
         raise NotImplementedError
 
 

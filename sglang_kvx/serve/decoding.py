@@ -343,3 +343,27 @@ def child_local_cells(span: Span, context: CompactedContext, layer: int, cells: 
                 pieces.append((other, slots[take.to(slots.device)]))
             offset += slots.numel()
     return PrefixCells(num_slots=seq_len - 1, own=0, borrowed=tuple(pieces))
+
+
+# --- attention layers' input hidden states, for the steps that read them (DecodeRunner is at its size limit) ---
+
+
+def wants_attention_inputs(runner: DecodeRunner) -> bool:
+    """Whether a running row's step reads attention layers' input hidden states (the adapter taps them only then)."""
+    return any(state.step.reads_attention_inputs and not state.failed for state in runner.rows.values())
+
+
+def hand_attention_inputs(runner: DecodeRunner, layer: int, hidden: torch.Tensor, batch) -> None:
+    """Before attention layer ``layer`` runs: each reading row's tokens' input hidden states (a prefill
+    chunk's, or its decode token's) go to its row state."""
+    if batch.is_decode:
+        pieces = [(row, range(n - 1, n), i, i + 1) for i, (row, n) in enumerate(zip(batch.rows, batch.seq_lens))]
+    elif batch.is_extend:
+        pieces = [(seg.row, range(seg.prefix_len, seg.prefix_len + seg.length), seg.start, seg.start + seg.length)
+                  for seg in batch.segments]
+    else:
+        return
+    for row, positions, a, b in pieces:
+        state = runner._live(row)
+        if state is not None and state.step.reads_attention_inputs:
+            runner._contain(state, lambda: state.own.attention_input(layer, positions, hidden[a:b]))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sglang_kvx.compact.compactor import Compactor
-from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, PASS_CAPTURE, SecondPassRunner
+from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, SecondPassRunner
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
@@ -215,7 +215,7 @@ class Runtime:
             if state.decode is not None and not state.parent and not state.internal:
                 self.decode.admit(request.row, state.decode_step(), request)
             if context is not None and state.internal:
-                self.recorder.start(request.row, len(request.input_ids), PASS_CAPTURE)
+                self.recorder.start(request.row, len(request.input_ids), self.second_pass.capture_of(request.rid))
             elif context is None and state.parent and state.settings is not None:
                 # Scored chunk by chunk inside the prefill where the policy can be (one rank: under tensor
                 # parallelism a rank holds only its own GDN heads until the signals are gathered).

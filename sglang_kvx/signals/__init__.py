@@ -23,3 +23,4 @@ from sglang_kvx.signals.base import (  # noqa: F401
 
 # Importing a signal module registers it.
 from sglang_kvx.signals import column_sums, gdn, output_gate, pass_queries, query_statistics, window  # noqa: F401,E402
+from sglang_kvx.signals import hidden_states  # noqa: F401,E402

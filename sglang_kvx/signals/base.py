@@ -79,13 +79,17 @@ class GDNLayerSignals:
 
 @dataclass(frozen=True)
 class ChunkScoring:
-    """How a policy whose score of an entry reads only that token's own GDN signals (GateSight)
-    scores a prefill chunk while it runs: the recorder then holds each attention layer's scores,
-    and of the GDN signals only the current chunk's, of the layers still to be read."""
+    """How a policy whose score of an entry reads only that token's own signals scores a prefill
+    chunk while it runs: the recorder then holds each attention layer's scores instead of the
+    signals. GateSight reads GDN signals (``gdn_window``, ``score``: of the GDN layers still to be
+    read only the current chunk's are held); KVzap reads each attention layer's input hidden states
+    (``hidden``: the chunk's hidden states are scored and let go)."""
 
-    gdn_window: int  # how many GDN layers before an attention layer its scores read
+    gdn_window: int = 0  # how many GDN layers before an attention layer its scores read
     # (attention layer, the chunk's signals of those GDN layers oldest first, positions, n) -> [kv_heads, t]
-    score: Callable[[int, list[GDNLayerSignals], range, int], torch.Tensor]
+    score: Callable[[int, list[GDNLayerSignals], range, int], torch.Tensor] | None = None
+    # (attention layer, the chunk's attention-input hidden states [t, hidden]) -> [kv_heads, t]
+    hidden: Callable[[int, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -292,6 +296,8 @@ class Signal:
     holds_chunks: ClassVar[bool] = False
     # Each tensor-parallel rank records its own heads: ``gather`` makes it whole (a collective call per rank).
     per_rank: ClassVar[bool] = False
+    # Fed by ``on_attention_input`` with each attention layer's input hidden states (the adapter taps them only then).
+    reads_attention_inputs: ClassVar[bool] = False
 
     def start(self, n: int, num_layers: int, option: int, setup: Any) -> Any:
         """The per-row state for an ``n``-token context (``option``: the spec's value for this signal;
@@ -303,6 +309,10 @@ class Signal:
 
     def on_attention_layer(self, state: Any, layer: int, positions: range) -> None:
         """After attention layer ``layer`` ran on ``positions`` of the row (no query read)."""
+
+    def on_attention_input(self, state: Any, layer: int, positions: range, hidden: torch.Tensor) -> None:
+        """Before attention layer ``layer`` runs on ``positions`` of the row: its input hidden states
+        [t, hidden] (after the layer's input norm: what the q/k/v projections read)."""
 
     def trim(self, state: Any, layer: int) -> None:
         """After attention layer ``layer`` (and the recording's peak taken): drop what no later layer reads."""

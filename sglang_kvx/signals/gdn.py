@@ -47,6 +47,8 @@ class GDNState:
         self.n = n
         self.gdn_layer_ids = gdn_layer_ids
         self.attention_layer_ids = attention_layer_ids
+        if chunk_scoring is not None and chunk_scoring.score is None:
+            chunk_scoring = None  # it scores from other signals (KVzap's hidden states): GDN signals are kept whole
         self.scoring = chunk_scoring
         self.layout = (GDNLayout(gdn_layer_ids, attention_layer_ids, chunk_scoring.gdn_window)
                        if chunk_scoring is not None else None)

@@ -57,6 +57,7 @@ class Recording:
         self.states: dict[str, Any] = {name: signal.start(n, num_layers, spec.get(name), setup)
                                        for name, signal in self.signals.items()}
         self.reads_queries = any(signal.reads_queries for signal in self.signals.values())
+        self.reads_attention_inputs = any(signal.reads_attention_inputs for signal in self.signals.values())
         self.holds_chunks = any(signal.holds_chunks for signal in self.signals.values())
         self.peak_bytes = 0  # the most this recording held at once (checked where chunk scoring peaks)
         self.seconds = 0.0  # spent recording inside the forward
@@ -147,6 +148,22 @@ class SignalRecorder:
                     rec.peak_bytes = max(rec.peak_bytes, rec.nbytes())
                     for name, signal in rec.signals.items():
                         signal.trim(rec.states[name], layer)
+
+    @property
+    def wants_attention_inputs(self) -> bool:
+        """Whether some recording reads attention layers' input hidden states (the adapter taps them only then)."""
+        return any(rec.reads_attention_inputs for rec in self.recordings.values())
+
+    def attention_input(self, layer: int, hidden: torch.Tensor, batch: Batch) -> None:
+        """Before attention layer ``layer`` runs: its input hidden states [tokens, hidden] for the whole batch."""
+        for seg, rec in self._recorded(batch):
+            if not rec.reads_attention_inputs:
+                continue
+            positions = range(seg.prefix_len, seg.prefix_len + seg.length)
+            with rec.timed():
+                for name, signal in rec.signals.items():
+                    if signal.reads_attention_inputs:
+                        signal.on_attention_input(rec.states[name], layer, positions, hidden[seg.start : seg.start + seg.length])
 
     def gdn_inputs(self, layer, batch: Batch, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """Before a GDN layer runs (GPU route): its inputs for every parent token in the batch."""
