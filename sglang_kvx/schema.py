@@ -95,6 +95,19 @@ def flag_count(raw: str | int, flag: str, limit: int = MAX_TOKENS) -> int:
     return value
 
 
+def flag_real(raw: str | float, flag: str, limit: float = 1e6) -> float | None:
+    """A finite number in [-limit, limit], or "" for none (the default comes from elsewhere)."""
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{flag} must be a number, got {_short(raw)}") from None
+    if not -limit <= value <= limit:  # NaN fails both comparisons
+        raise ValueError(f"{flag} must be a finite number in [-{limit:g}, {limit:g}], got {_short(raw)}")
+    return value
+
+
 def flag_gigabytes(raw: str | float, flag: str, limit: float = 1 << 20) -> float:
     """A size in GB in [0, limit] (0 = off): a finite number, so a typo never sizes a tier at infinity."""
     try:
@@ -266,6 +279,12 @@ SETTINGS: tuple[Setting, ...] = (
             "0", lambda raw: flag_count(raw, "--kvx-auto-context-min-tokens")),
     Setting("oda_head", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in "
             "<model>/oda or weights/oda/<model folder name>).", "", lambda raw: flag_path(raw, "--kvx-oda-head")),
+    Setting("kvzap_surrogates", "KVzap's surrogate folder, holding mlp/ and linear/ (default: the ones trained for "
+            "--model-path, in <model>/kvzap or weights/kvzap/).", "", lambda raw: flag_path(raw, "--kvx-kvzap-surrogates")),
+    Setting("kvzap_threshold", "KVzap's threshold tau on each entry's predicted log KVzip+ score: entries under it are "
+            "dropped (default: the surrogate manifest's).", "", lambda raw: flag_real(raw, "--kvx-kvzap-threshold")),
+    Setting("kvzap_window", "KVzap's window: the last N tokens of a context are always kept.", "128",
+            lambda raw: flag_count(raw, "--kvx-kvzap-window")),
     Setting("sparse_attention", "Block-sparse attention for every request: each query attends to this many tokens "
             "(a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a "
             "mean-key indexer; 0 = dense attention.", "0", flag_sparse_budget, attr="sparse_budget"),

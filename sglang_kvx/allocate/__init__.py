@@ -20,7 +20,7 @@ from sglang_kvx.allocate.base import (
 )
 
 # Importing an allocation module registers it.
-from sglang_kvx.allocate import flat, gate, global_threshold, pyramid  # noqa: F401,E402
+from sglang_kvx.allocate import flat, gate, global_threshold, pyramid, threshold  # noqa: F401,E402
 
 __all__ = ["ALLOCATIONS", "allocation_names", "allocation_needs", "allocation_reads_scores", "allocation_tp_problem",
            "fill_pages", "flat_budget", "get_allocation", "head_budgets", "layer_budgets", "register_allocation"]

@@ -19,5 +19,6 @@ from sglang_kvx.policies import none  # noqa: F401,E402
 from sglang_kvx.policies import h2o, keydiff, knorm, pyramidkv, random, snapkv, streamingllm  # noqa: F401,E402
 from sglang_kvx.policies import kvzip, triattention  # noqa: F401,E402
 from sglang_kvx.policies import gatesight  # noqa: F401,E402
+from sglang_kvx.policies import kvzap  # noqa: F401,E402
 
 __all__ = ["POLICIES", "KVPolicy", "ModelTraits", "get_policy", "policy_names", "register_policy", "servable_policy_names"]

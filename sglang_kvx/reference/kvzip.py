@@ -101,7 +101,7 @@ def reconstruction_attention(
         context_ids, prompt_ids, continuation_ids, postfix_ids,
         protected_prefix_len=protected_prefix_len, chunk_size=chunk_size,
     )
-    cache = model(torch.tensor([context_ids]), use_cache=True).past_key_values
+    cache = model(torch.tensor([context_ids]), use_cache=True, logits_to_keep=1).past_key_values
     layer_of = {layer_id: i for i, layer_id in enumerate(ref.attention_layer_ids)}
     totals = [torch.zeros(config.num_key_value_heads, n) for _ in layer_of]
 

@@ -9,6 +9,8 @@ oracle) without a server. One forward pass, nothing recomputed:
 - every query-reading signal asked for (SnapKV's window, H2O's column sums, TriAttention's query
   statistics, a signal registered elsewhere): its own ``Signal.reference`` from the layer's whole q and k;
 - output gate (Qwen3.5 / Qwen3-Next): a forward hook on each attention q_proj;
+- attention layers' input hidden states (KVzap, when the spec names ``hidden_states``): a forward
+  pre-hook on each attention module;
 - GDN beta, g, ||v||: the module-level chunked delta rule is wrapped for the pass.
 """
 
@@ -44,6 +46,7 @@ class _Capture:
         self.values: list[torch.Tensor] = []
         self.gates: list[torch.Tensor] = []
         self.gdn: list[GDNLayerSignals] = []
+        self.inputs: list[torch.Tensor] = []  # attention layers' input hidden states (layer-major)
 
 
 _active: _Capture | None = None
@@ -180,6 +183,13 @@ def batch_context_signals(
                 capture.gates.append(torch.sigmoid(gate.float()).mean(dim=-1))  # [n, Hq]
 
         hooks = [layers[i].self_attn.q_proj.register_forward_hook(record_gate) for i in attention_ids]
+    if any("hidden_states" in spec for spec in specs):  # KVzap's: each attention layer's input, per row [n, hidden]
+        def record_input(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            for row, n in enumerate(lengths):
+                capture.inputs.append(hidden[row, :n].float().clone())
+
+        hooks += [layers[i].self_attn.register_forward_pre_hook(record_input, with_kwargs=True) for i in attention_ids]
     pad = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else 0
     ids = torch.full((batch, max(lengths)), pad, dtype=torch.long)
     for row, seq in enumerate(sequences):
@@ -204,6 +214,7 @@ def batch_context_signals(
 
     keys, values = rows(capture.keys, []), rows(capture.values, [])
     gates, gdn = rows(capture.gates), rows(capture.gdn, [])
+    inputs = rows(capture.inputs)
     produced = {name: rows(values_) for name, values_ in capture.produced.items()}
     results = []
     for row in range(batch):
@@ -223,6 +234,8 @@ def batch_context_signals(
         for name, per_row in produced.items():
             if name in specs[row]:
                 result.put(get_signal(name).field, per_row[row])
+        if "hidden_states" in specs[row]:
+            result.put(get_signal("hidden_states").field, inputs[row])
         results.append(result)
     return results
 
