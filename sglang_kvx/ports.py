@@ -40,6 +40,7 @@ class KVPool(Protocol):
     has_state: bool  # GDN / conv states to snapshot and restore (hybrid models)
     total: int  # slots in the pool
     device: torch.device
+    dtype: torch.dtype  # the entries' dtype (every attention layer's)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``slots`` in attention layer ``layer``: each [len, kv_heads, D], pool dtype."""
@@ -66,6 +67,11 @@ class KVPool(Protocol):
         ...
 
     def snapshot_state(self, request: "Request") -> Any: ...
+
+    def state_template(self) -> Any:
+        """One state slot's snapshot, as ``snapshot_state`` gives it (its shapes and dtypes are what a
+        restored snapshot must have); only where ``has_state``."""
+        ...
 
     def restore_state(self, request: "Request", snapshot: Any) -> None: ...
 
@@ -98,11 +104,12 @@ class Request(Protocol):
 
     @property
     def state(self) -> Any:
-        """The extension's per-request state (``serve.admission.RequestState``), created on first use."""
+        """The extension's per-request state (``serve.request_state.RequestState``), created on first use."""
         ...
 
-    def abort(self, message: str) -> None:
-        """End it with an error: refused before it runs, or stopped after the current step."""
+    def abort(self, message: str, status: int = 400) -> None:
+        """End it with an error (HTTP ``status``: 400 the request's fault, 5xx the server's): refused
+        before it runs, or stopped after the current step."""
         ...
 
     def keep_out_of_tree(self) -> None:
@@ -114,6 +121,13 @@ class Request(Protocol):
     def hide_from_client(self) -> None:
         """An internal request: nothing it produces goes to a client."""
         ...
+
+
+class RoundBudget(Protocol):
+    """The token budget of the prefill batch SGLang is forming (its ``PrefillAdder``), live: what is
+    free and evictable now less what the requests it admitted this round and the running ones will take."""
+
+    def room(self) -> int: ...
 
 
 @dataclass(frozen=True)

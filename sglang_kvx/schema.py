@@ -301,6 +301,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("persist_contexts", "'on': every compacted context is written to --kvx-context-dir as soon as it is "
             "stored, so it outlives the process (kill -9 included); 'off': only evicted ones are.",
             "off", lambda raw: flag_on_off(raw, "--kvx-persist-contexts")),
+    Setting("context_secret_file", "A file holding a secret (16+ bytes) shared by the servers on --kvx-context-dir: "
+            "every manifest they write carries an HMAC with it, and a file without a valid one is refused (a process "
+            "that can write the directory but not read this file cannot make a server serve its bytes).",
+            "", lambda raw: flag_path(raw, "--kvx-context-secret-file")),
     Setting("policy_modules", "Comma-separated Python modules imported first in every server process: each "
             "registers its own policies (@register_policy), decode steps (@register_decode_step) and signals "
             "(@register_signal).", "", _text),

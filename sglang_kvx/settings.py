@@ -107,6 +107,7 @@ class ServerDefaults:
     context_dir: str = ""  # --kvx-context-dir: the disk tier's directory ("": off)
     disk_store_gb: float = 0.0  # --kvx-disk-store-gb: the bytes of this model's files there
     persist_contexts: bool = False  # --kvx-persist-contexts: every stored context written to disk at once
+    context_secret_file: str = ""  # --kvx-context-secret-file: manifests carry an HMAC with its secret
     model_fingerprint: str = ""  # what a context file must match to load (store/disk.model_fingerprint)
 
     @functools.cached_property

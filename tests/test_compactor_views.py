@@ -14,7 +14,7 @@ from sglang_kvx.store import ContextStore
 class TensorPool:
     """A KV pool of tensors: per layer [slots, heads, D] keys and values, one request row table."""
 
-    def __init__(self, num_layers=3, slots=64, heads=2, dim=4, row_width=32) -> None:
+    def __init__(self, num_layers=3, slots=64, heads=2, dim=4, row_width=32, state=None) -> None:
         torch.manual_seed(0)
         self.keys = [torch.randn(slots, heads, dim) for _ in range(num_layers)]
         self.values = [torch.randn(slots, heads, dim) for _ in range(num_layers)]
@@ -22,8 +22,12 @@ class TensorPool:
         self.free_slots = list(range(1, slots))
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, heads, dim
         self.bytes_per_entry = 2 * heads * dim * 4
-        self.can_fold, self.has_state, self.device = True, False, torch.device("cpu")
+        self.can_fold, self.has_state, self.device, self.dtype = True, state is not None, torch.device("cpu"), torch.float32
         self.total = slots
+        self.state = state  # one state slot's snapshot, as a hybrid model's pool gives it (None: a dense model)
+
+    def state_template(self):
+        return self.state
 
     def layer_id(self, layer):
         return 10 + layer

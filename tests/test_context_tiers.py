@@ -10,6 +10,7 @@ import torch
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.layout import fold_heads, fold_layers
 from sglang_kvx.serve.admission import Admission
+from sglang_kvx.serve.plans import CHILD, PLAIN, RESTORE, WAIT, WAIT_READ, WAIT_ROOM, Plan
 from sglang_kvx.settings import CompactionSettings, ServerDefaults
 from sglang_kvx.store import CompactedContext, ContextStore
 from sglang_kvx.store.tiers import HostTier, TieredContext
@@ -27,14 +28,44 @@ class Child:
         self.max_new_tokens, self.has_output, self.finished, self.aborted, self.holds_kv = max_new_tokens, False, False, False, False
         self.input_logprobs_from, self.state, self.error, self.out_of_tree = None, None, None, False
 
-    def abort(self, message: str) -> None:
-        self.error = message
+    def abort(self, message: str, status: int = 400) -> None:
+        self.error, self.status = message, status
 
     def keep_out_of_tree(self) -> None:
         self.out_of_tree = True
 
     def replace_input_ids(self, ids) -> None:
         self.input_ids = list(ids)
+
+
+class Budget:
+    """SGLang's round budget as admission sees it (``ports.RoundBudget``): the pool's room less what the
+    requests admitted before this one in the round reserve."""
+
+    def __init__(self, pool: TensorPool, reserved: int = 0) -> None:
+        self.pool, self.reserved = pool, reserved
+
+    def room(self) -> int:
+        return self.pool.room() - self.reserved
+
+
+def admit(admission: Admission, request: Child, budget: Budget | None = None) -> Plan:
+    """One prefill round as SGLang runs it with the adapter's hooks: the plan where the prefix is matched;
+    for RESTORE, the restore where the round's budget is charged, then the match again. A disk read is
+    waited for (the tier's worker), as the queued child waits for it over the next rounds."""
+    for _ in range(100):
+        plan = admission.before_round(request)
+        if plan.kind == RESTORE:
+            admission.admit_restore(request, budget or Budget(admission.pool))
+            if request.state.plan is None:
+                plan = admission.before_round(request)
+            else:
+                plan = request.state.plan
+        if plan.kind == WAIT and plan.reason == WAIT_READ:
+            admission.tiering.disk.drain()
+            continue
+        return plan
+    raise AssertionError("a disk read never finished")
 
 
 def server(pool: TensorPool, host_gb: float = 1.0) -> Admission:
@@ -65,11 +96,11 @@ def scribble(pool: TensorPool) -> None:
 
 
 def check_round_trip(layout, kept) -> None:
-    pool = TensorPool(slots=40)
+    snapshot = torch.arange(6.0)
+    pool = TensorPool(slots=40, state=torch.zeros(6))  # a hybrid model's pool: one state slot's snapshot is 6 floats
     whole = pool.room()
     admission = server(pool)
     ids = tuple(range(100, 112))
-    snapshot = torch.arange(6.0)
     context = stored_context(pool, admission, ids, layout, kept, snapshot=snapshot)
     images = [tuple(t.clone() for t in pool.read(layer, context.slots)) for layer in range(pool.num_layers)]
     assert admission.eviction.make_room(pool.room() + 2) is None  # a request needing more: the store gives way
@@ -79,7 +110,7 @@ def check_round_trip(layout, kept) -> None:
     scribble(pool)
     pool.alloc(3)  # the freed slots are not where they were: the restore takes fresh ones
     child = Child(list(ids) + [7, 8, 9])
-    assert admission.before_round(child) is True and child.error is None
+    assert admit(admission, child).kind == CHILD and child.error is None
     restored = child.state.context
     assert child.state.outcome["restored_from"] == "host" and child.state.outcome["restore_s"] >= 0
     assert restored is admission.store.get(ids, SETTINGS) and len(tiering.host) == 0
@@ -133,17 +164,16 @@ def test_the_longer_context_wins_wherever_it_is():
     admission.eviction.make_room(pool.room() + 2)
     stored_context(pool, admission, short_ids, fold_layers([3] * 3), [3] * 3)
     child = Child(list(long_ids) + [1])
-    assert admission.before_round(child) and child.state.context.n == len(long_ids)
+    assert admit(admission, child).kind == CHILD and child.state.context.n == len(long_ids)
     assert child.state.outcome["restored_from"] == "host" and len(admission.store) == 2
     other = Child(list(short_ids) + [1])
-    assert admission.before_round(other) and other.state.context.n == len(short_ids)
+    assert admit(admission, other).kind == CHILD and other.state.context.n == len(short_ids)
     assert "restored_from" not in other.state.outcome
 
 
 def test_a_child_whose_contexts_room_running_requests_hold_waits_in_the_queue_for_it():
-    """Its full prefill would need more room than the restore: it stays queued (the requests behind it
-    go on) until the running requests end, then reads the restored context -- never a full prefill
-    that depends on what else ran."""
+    """Its full prefill would need more room than the restore: it stays queued until the running
+    requests end, then reads the restored context -- never a full prefill that depends on what else ran."""
     pool = TensorPool(slots=40)
     whole = pool.room()
     admission = server(pool)
@@ -152,16 +182,52 @@ def test_a_child_whose_contexts_room_running_requests_hold_waits_in_the_queue_fo
     admission.eviction.make_room(pool.room() + 2)  # the context goes to host memory
     running = pool.alloc(pool.room())  # ... and running requests hold every slot
     child = Child(list(ids) + [1])
-    assert admission.before_round(child) is False and child.error is None and child.state.waits is True
+    plan = admit(admission, child)
+    assert (plan.kind, plan.reason) == (WAIT, WAIT_ROOM) and child.error is None and child.state.waits is True
     assert child.state.context is None and "reason" not in (child.state.outcome or {})
     tiering = admission.eviction.tiering
     assert len(tiering.host) == 1 and tiering.restore_failures == 0 and tiering.restore_waits == 1
-    assert tiering.counts()["host_contexts_stored"] == 1  # put back, not counted as a new arrival
+    assert tiering.counts()["host_contexts_stored"] == 1  # still where it was, not counted again
     pool.free(running)
     assert pool.room() == whole  # nothing half-restored holds a slot
-    assert admission.before_round(child) is True and child.state.outcome["restored_from"] == "host"  # room again
+    assert admit(admission, child).kind == CHILD and child.state.outcome["restored_from"] == "host"  # room again
     admission.forget_all()
     assert len(tiering.host) == 0
+
+
+def test_a_restore_takes_only_what_the_rounds_budget_leaves_after_the_requests_admitted_before_it():
+    """Issue #53 item 1: the pool has free slots, but the requests SGLang admitted earlier in this round
+    (their allocation comes later, in prepare_for_extend) reserve them: the restore must not take them.
+    The child waits, no slot is taken; the next round (those requests running or done) it is restored."""
+    pool = TensorPool(slots=40)
+    admission = server(pool)
+    ids = tuple(range(500, 512))
+    stored_context(pool, admission, ids, fold_layers([5] * 3), [5] * 3)
+    admission.eviction.make_room(pool.room() + 2)  # to host memory
+    free = pool.room()
+    child = Child(list(ids) + [1])
+    # An earlier request of the round reserves all but 4 of the free slots: 5 slots plus the child's own
+    # tokens do not fit in what is left, though the pool itself could hold them now.
+    plan = admit(admission, child, Budget(pool, reserved=free - 4))
+    assert (plan.kind, plan.reason) == (WAIT, WAIT_ROOM) and pool.room() == free and child.error is None
+    assert len(admission.store) == 0 and len(admission.eviction.tiering.host) == 1
+    assert admit(admission, child, Budget(pool, reserved=0)).kind == CHILD and pool.room() == free - 5
+
+
+def test_a_child_whose_context_can_never_come_back_is_served_by_a_full_prefill_with_the_reason():
+    pool = TensorPool(slots=40)
+    admission = server(pool)
+    ids = tuple(range(600, 612))
+    stored_context(pool, admission, ids, fold_layers([5] * 3), [5] * 3)
+    admission.eviction.make_room(pool.room() + 2)
+    held = next(iter(admission.eviction.tiering.host.entries.values()))
+    held.keys[1] = held.keys[1].to(torch.float64)  # no longer this pool's dtype
+    child = Child(list(ids) + [1])
+    plan = admit(admission, child)
+    assert plan.kind == PLAIN and child.error is None and child.state.context is None
+    assert "does not fit this server's KV pool" in child.state.outcome["reason"], child.state.outcome
+    assert admission.eviction.tiering.restore_failures == 1 and len(admission.eviction.tiering.host) == 0
+    assert pool.room() == 39  # nothing was taken
 
 
 def test_without_the_flag_an_evicted_context_is_dropped():
@@ -172,7 +238,7 @@ def test_without_the_flag_an_evicted_context_is_dropped():
     admission.eviction.make_room(pool.room() + 2)
     assert admission.eviction.evicted == 1 and len(admission.eviction.tiering.host) == 0
     child = Child(list(ids) + [1])
-    assert admission.before_round(child) is False and child.state.context is None
+    assert admit(admission, child).kind == PLAIN and child.state.context is None
     assert admission.eviction.tiering.counts()["host_contexts_stored"] == 0
 
 
@@ -193,7 +259,7 @@ def test_the_host_tier_holds_at_most_its_bytes_least_recently_used_out_first():
     too_big = entry(5, 400)
     assert tier.put(too_big) == [too_big] and len(tier) == 3 and tier.dropped == 2
     assert tier.put(entry(2, 100, last_used=9)) == [] and tier.nbytes == 300  # same key: replaced, not doubled
-    tier.take(tier.longest_prefix_of((2, 2, 2, 0), SETTINGS))
+    tier.release(tier.longest_prefix_of((2, 2, 2, 0), SETTINGS))
     assert tier.nbytes == 200 and tier.longest_prefix_of((2, 2, 2, 0), SETTINGS) is None
     assert tier.longest_prefix_of((3, 3, 3), SETTINGS) is None  # a prompt must strictly extend the context
     tier.clear()

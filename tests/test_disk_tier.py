@@ -24,10 +24,13 @@ from sglang_kvx.compact.layout import fold_heads, fold_layers
 from sglang_kvx.serve.admission import Admission
 from sglang_kvx.settings import ServerDefaults
 from sglang_kvx.store import ContextStore
+from sglang_kvx.serve.plans import CHILD, PLAIN
+from sglang_kvx.store.context_dir import ContextDirectory
+from sglang_kvx.store.context_file import MARKER
 from sglang_kvx.store.disk import DiskTier, context_key, model_fingerprint
 from sglang_kvx.store.tiers import TieredContext
 from test_compactor_views import TensorPool
-from test_context_tiers import SETTINGS, Child, _cells, scribble, stored_context
+from test_context_tiers import SETTINGS, Child, _cells, admit, scribble, stored_context
 
 FINGERPRINT = "f" * 32
 
@@ -53,7 +56,28 @@ def same_tree(a, b) -> bool:
 
 
 def evict_all(admission: Admission, pool: TensorPool) -> None:
+    """Every stored context out of the pool, down the tiers; the disk tier's writes done."""
     assert admission.eviction.make_room(pool.room() + 2) is None and len(admission.store) == 0
+    disk = admission.eviction.tiering.disk
+    if disk is not None:
+        assert disk.drain()
+
+
+def read_back(tier: DiskTier, entry) -> TieredContext | str:
+    """``entry`` read by the tier's worker (the first fetch queues the read)."""
+    for _ in range(100):
+        found = tier.fetch(entry)
+        if found is not None:
+            return found
+        tier.drain()
+    raise AssertionError("the read never finished")
+
+
+def fresh_tier(directory, **kwargs) -> DiskTier:
+    """A tier on ``directory`` whose first scan is done."""
+    tier = DiskTier(directory, **kwargs)
+    assert tier.drain()
+    return tier
 
 
 def restore_and_check(admission: Admission, pool: TensorPool, ids, images, layout, kept, snapshot, positions,
@@ -61,7 +85,7 @@ def restore_and_check(admission: Admission, pool: TensorPool, ids, images, layou
     scribble(pool)
     pool.alloc(3)  # the freed slots are not where they were
     child = Child(list(ids) + [7, 8, 9])
-    assert admission.before_round(child) is True and child.error is None, child.state.outcome
+    assert admit(admission, child).kind == CHILD and child.error is None, child.state.outcome
     restored = child.state.context
     assert child.state.outcome["restored_from"] == tier, child.state.outcome
     assert restored.kept_per_layer == kept and restored.layout == layout and restored.settings == SETTINGS
@@ -88,33 +112,35 @@ def test_an_evicted_context_is_written_and_read_back_byte_for_byte_in_a_new_serv
         per_head = [[2, 6], [4, 4], [5, 3]]
         layout, kept = fold_heads(per_head), [max(h) for h in per_head]
         positions = [[torch.arange(k) for k in heads] for heads in per_head]
-    pool = TensorPool(slots=40)
+    snapshot = snapshot_of_a_hybrid()
+    pool = TensorPool(slots=40, state=tuple(t if isinstance(t, torch.Tensor) else [torch.zeros_like(x) for x in t]
+                                            for t in snapshot))
     admission = server(pool, tmp_path)
     ids = tuple(range(100, 112))
-    snapshot = snapshot_of_a_hybrid()
     context = stored_context(pool, admission, ids, layout, kept, tenant="t1", snapshot=snapshot)
     context.keep_positions = positions
     images = [tuple(t.clone() for t in pool.read(layer, context.slots)) for layer in range(pool.num_layers)]
     evict_all(admission, pool)
     disk = admission.eviction.tiering.disk
     assert len(disk) == 1 and admission.eviction.tiering.counts()["disk_contexts_stored"] == 1
-    names = sorted(os.listdir(tmp_path), key=lambda name: name.endswith(".safetensors"))
+    names = sorted((n for n in os.listdir(tmp_path) if n != MARKER), key=lambda name: name.endswith(".safetensors"))
     assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".safetensors"), names
     manifest = json.loads((tmp_path / names[0]).read_text())
     assert manifest["context_ids"] == list(ids) and manifest["fingerprint"] == FINGERPRINT and manifest["tenant"] == "t1"
     assert (tmp_path / names[1]).stat().st_size == manifest["tensors_bytes"] == disk.nbytes
     names = sorted(names)
     # A new server on the directory (a restart): nothing in its pool, the file found and restored.
-    pool2 = TensorPool(slots=40)
+    pool2 = TensorPool(slots=40, state=pool.state)
     admission2 = server(pool2, tmp_path)
+    admission2.eviction.tiering.disk.drain()
     restore_and_check(admission2, pool2, ids, images, layout, kept, snapshot, positions)
     assert admission2.store.get(ids, SETTINGS).tenant == "t1"
-    assert sorted(os.listdir(tmp_path)) == names  # the files stay: another server, or a restart, may read them
+    assert sorted(os.listdir(tmp_path)) == sorted(names + [MARKER])  # the files stay: another server, or a restart, may read them
     # ... and the first server restores it too (it evicted it).
     restore_and_check(admission, pool, ids, images, layout, kept, snapshot, positions)
     admission.forget_all()
     assert len(admission.store) == 0
-    assert admission.eviction.tiering.counts()["disk_contexts"] == 0 and os.listdir(tmp_path) == []  # /flush_cache
+    assert admission.eviction.tiering.counts()["disk_contexts"] == 0 and os.listdir(tmp_path) == [MARKER]  # /flush_cache
 
 
 def test_host_memory_lets_go_down_to_disk_and_persisted_contexts_outlive_the_server(tmp_path):
@@ -143,11 +169,14 @@ def test_host_memory_lets_go_down_to_disk_and_persisted_contexts_outlive_the_ser
     ids = tuple(range(700, 712))
     context = stored_context(pool, admission, ids, fold_layers(kept), kept)
     images = [tuple(t.clone() for t in pool.read(layer, context.slots)) for layer in range(pool.num_layers)]
-    assert admission.eviction.tiering.counts()["disk_files_written"] == 1 and len(os.listdir(directory)) == 2
+    assert admission.eviction.tiering.disk.drain()
+    assert admission.eviction.tiering.counts()["disk_files_written"] == 1 and len(os.listdir(directory)) == 3
     evict_all(admission, pool)  # already on disk: not written twice
     assert admission.eviction.tiering.counts()["disk_files_written"] == 1
     pool2 = TensorPool(slots=40)
-    restore_and_check(server(pool2, directory, persist=True), pool2, ids, images, fold_layers(kept), kept, None, [])
+    admission2 = server(pool2, directory, persist=True)
+    admission2.eviction.tiering.disk.drain()
+    restore_and_check(admission2, pool2, ids, images, fold_layers(kept), kept, None, [])
 
 
 def one_file(tmp_path: Path) -> tuple[Admission, TensorPool, tuple, Path, Path]:
@@ -181,27 +210,32 @@ def damage_other_ids(manifest: Path, tensors: Path) -> None:
     manifest.write_text(json.dumps(raw))
 
 
-@pytest.mark.parametrize("damage,reason,read_at_restore", [
-    (damage_truncated, "checksum", True), (damage_flipped, "checksum", True),
-    (damage_torn_manifest, "unreadable_manifest", False), (damage_other_ids, "key_mismatch", False)])
-def test_a_damaged_file_is_refused_removed_and_the_child_served_by_a_full_prefill(tmp_path, damage, reason,
-                                                                                   read_at_restore):
+@pytest.mark.parametrize("damage,reason,read_at_restore,removed", [
+    (damage_truncated, "size", True, True), (damage_flipped, "checksum", True, True),
+    (damage_torn_manifest, "unreadable_manifest", False, False), (damage_other_ids, "key_mismatch", False, True)])
+def test_a_damaged_file_is_refused_and_the_child_served_by_a_full_prefill(tmp_path, damage, reason, read_at_restore,
+                                                                          removed):
+    """A file of ours that fails its checks is refused and removed; one that does not even parse as a
+    manifest of ours (torn) is refused and left alone -- it cannot be proven ours."""
     _, _, ids, manifest, tensors = one_file(tmp_path)
     damage(manifest, tensors)
     pool = TensorPool(slots=40)
     whole = pool.room()
     admission = server(pool, tmp_path)  # a restart finds the damaged file
-    child = Child(list(ids) + [1])
-    assert admission.before_round(child) is False and child.error is None and child.state.context is None
     disk = admission.eviction.tiering.disk
+    disk.drain()
+    child = Child(list(ids) + [1])
+    assert admit(admission, child).kind == PLAIN and child.error is None and child.state.context is None
     assert disk.refused == {reason: 1}, disk.refused
     if read_at_restore:  # found by its manifest, refused when its bytes were read
-        assert "could not be read back" in child.state.outcome["reason"] and reason in child.state.outcome["reason"]
+        assert "its file was refused" in child.state.outcome["reason"] and reason in child.state.outcome["reason"]
         assert admission.eviction.tiering.restore_failures == 1
-    assert not manifest.exists() and len(disk) == 0 and pool.room() == whole
+        assert str(tmp_path) not in child.state.outcome["reason"]  # no machine path in a response
+    assert manifest.exists() is not removed and len(disk) == 0 and pool.room() == whole
     counts = admission.eviction.tiering.counts()
     assert counts["disk_files_refused"] == 1 and counts["disk_restores"] == 0
-    disk.scan(force=True)
+    disk.rescan()
+    disk.drain()
     assert disk.refused == {reason: 1}  # counted once
 
 
@@ -209,8 +243,9 @@ def test_another_models_file_never_loads_and_is_left_for_its_own_servers(tmp_pat
     _, _, ids, manifest, tensors = one_file(tmp_path)
     pool = TensorPool(slots=40)
     admission = server(pool, tmp_path, fingerprint="0" * 32)
+    admission.eviction.tiering.disk.drain()
     child = Child(list(ids) + [1])
-    assert admission.before_round(child) is False and child.state.context is None
+    assert admit(admission, child).kind == PLAIN and child.state.context is None
     disk = admission.eviction.tiering.disk
     assert disk.refused == {"other_model": 1} and len(disk) == 0 and disk.nbytes == 0
     assert manifest.exists() and tensors.exists()
@@ -228,43 +263,50 @@ def test_an_unwritable_directory_logs_once_and_serving_goes_on(tmp_path, caplog)
         stored_context(pool, admission, tuple(range(start, start + 12)), fold_layers([4] * 3), [4] * 3)
         evict_all(admission, pool)
     counts = admission.eviction.tiering.counts()
-    assert counts["disk_write_failures"] == 2 and counts["disk_contexts"] == 0 and counts["disk_contexts_stored"] == 0
+    # Sent down (queued for the tier's worker), never written.
+    assert counts["disk_write_failures"] == 2 and counts["disk_contexts"] == 0 and counts["disk_files_written"] == 0
     assert sum("cannot write context files" in r.message for r in caplog.records) == 1
     child = Child(list(range(900, 912)) + [1])
-    assert admission.before_round(child) is False and child.error is None  # a plain request, as without the tier
+    assert admit(admission, child).kind == PLAIN and child.error is None  # a plain request, as without the tier
     assert pool.room() == whole
+
+
+TOY_TOKENS = 1 << 17  # every toy context's length: more tokens than the largest toy keeps entries
 
 
 def toy(i: int, size: int = 64) -> TieredContext:
     keys = torch.full((size // 16, 1, 2), float(i))  # [S, heads, D] float32: size bytes of keys and values
-    return TieredContext(context_ids=(i,) * 4, settings=SETTINGS, kept_per_layer=[keys.shape[0]],
+    return TieredContext(context_ids=(i,) * TOY_TOKENS, settings=SETTINGS, kept_per_layer=[keys.shape[0]],
                          layout=fold_layers([keys.shape[0]]), keys=[keys], values=[keys.clone()], prefix_cells=[None])
 
 
 def test_the_disk_tier_keeps_to_its_bytes_least_recently_used_out_first(tmp_path):
     file_bytes = len(__import__("safetensors.torch", fromlist=["save"]).save({"k.0": toy(0).keys[0], "v.0": toy(0).values[0],}))
-    tier = DiskTier(tmp_path, capacity=3 * file_bytes + 10, fingerprint=FINGERPRINT)
+    tier = fresh_tier(tmp_path, capacity=3 * file_bytes + 10, fingerprint=FINGERPRINT)
     for i in range(3):
         assert tier.put(toy(i)) == []
-        os.utime(tmp_path / f"{context_key(FINGERPRINT, (i,) * 4, SETTINGS)}.json", (i, i))
-    tier.scan(force=True)
-    tier.take(tier.longest_prefix_of((0,) * 5, SETTINGS))  # used: no longer the least recently used
-    gone = tier.put(toy(3))
-    assert [e.context_ids[0] for e in gone] == [1] and len(tier) == 3 and tier.dropped == 1
-    assert tier.put(toy(3)) == [] and tier.written == 4  # held already: not written again
+        tier.drain()
+        os.utime(tmp_path / f"{context_key(FINGERPRINT, (i,) * TOY_TOKENS, SETTINGS)}.json", (i, i))
+    tier.rescan()
+    tier.drain()
+    read_back(tier, tier.longest_prefix_of((0,) * (TOY_TOKENS + 1), SETTINGS))  # used: no longer the least recently used
+    assert tier.put(toy(3)) == [] and tier.drain()
+    assert sorted(e.context_ids[0] for e in tier.entries.values()) == [0, 2, 3] and tier.dropped == 1
+    assert tier.put(toy(3)) == [] and tier.drain() and tier.written == 4  # held already: not written again
     too_big = toy(9, size=64 * 16)
-    assert tier.put(too_big) == [too_big] and len(tier) == 3
+    assert tier.put(too_big) == [too_big] and tier.drain() and len(tier) == 3  # can never fit: dropped
+    assert tier.dropped == 2
     assert len(list(tmp_path.glob("*.json"))) == 3 == len(list(tmp_path.glob("*.safetensors")))
 
 
 def _write_loop(directory: str, seed: int, rounds: int) -> None:
-    tier = DiskTier(directory, capacity=10**9, fingerprint=FINGERPRINT)
+    files = ContextDirectory(Path(directory), 10**9, FINGERPRINT, None, None)  # what the tier's worker runs
     torch.manual_seed(seed)
     for _ in range(rounds):
         entry = toy(1, size=4096)
         entry.keys[0].add_(torch.rand(1))  # each writer's own bytes for the same key
-        tier.entries.clear()  # write it again whatever the index says
-        tier.put(entry)
+        files.entries.clear()  # write it again whatever the index says
+        files.write(entry)
 
 
 def test_two_servers_writing_the_same_context_at_once_leave_one_valid_file(tmp_path):
@@ -276,22 +318,23 @@ def test_two_servers_writing_the_same_context_at_once_leave_one_valid_file(tmp_p
         w.join(120)
         assert w.exitcode == 0
     assert len(list(tmp_path.glob("*.json"))) == 1 and not list(tmp_path.glob(".tmp-*"))
-    tier = DiskTier(tmp_path, capacity=10**9, fingerprint=FINGERPRINT)
-    found = tier.longest_prefix_of((1,) * 5, SETTINGS)
-    assert found is not None and tier.take(found).keys[0].shape == (256, 1, 2) and not tier.refused
+    tier = fresh_tier(tmp_path, capacity=10**9, fingerprint=FINGERPRINT)
+    found = tier.longest_prefix_of((1,) * (TOY_TOKENS + 1), SETTINGS)
+    assert found is not None and read_back(tier, found).keys[0].shape == (256, 1, 2) and not tier.refused
 
 
 KILLED_WRITER = """
 import sys, torch
 sys.path.insert(0, {tests!r})
+from pathlib import Path
 from test_disk_tier import toy, FINGERPRINT
-from sglang_kvx.store.disk import DiskTier
-tier = DiskTier({directory!r}, capacity=10**12, fingerprint=FINGERPRINT)
+from sglang_kvx.store.context_dir import ContextDirectory
+files = ContextDirectory(Path({directory!r}), 10**12, FINGERPRINT, None, None)  # what the tier's worker runs
 print("ready", flush=True)
 i = 0
 while True:
     i += 1
-    tier.put(toy(i, size=1 << 21))
+    files.write(toy(i, size=1 << 21))
 """
 
 
@@ -306,18 +349,18 @@ def test_kill_9_during_writes_leaves_no_file_that_loads_wrong(tmp_path):
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    tier = DiskTier(tmp_path, capacity=10**12, fingerprint=FINGERPRINT)
+    tier = fresh_tier(tmp_path, capacity=10**12, fingerprint=FINGERPRINT)
     assert len(tier) >= 2 and not tier.refused
     for entry in list(tier.entries.values()):
         i = entry.context_ids[0]
-        assert torch.equal(tier.take(entry).keys[0], toy(i, size=1 << 21).keys[0])
+        assert torch.equal(read_back(tier, entry).keys[0], toy(i, size=1 << 21).keys[0])
     assert not tier.refused
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")
                  or (p.suffix == ".safetensors" and p.name not in {e.manifest["tensors"] for e in tier.entries.values()})]
     for path in leftovers:  # a dead writer's, aged past the staleness bound
         os.utime(path, (0, 0))
-    tier.entries.clear()
-    tier.scan(force=True)
+    tier.rescan()
+    tier.drain()
     assert all(not p.exists() for p in leftovers) and len(tier) >= 2
 
 

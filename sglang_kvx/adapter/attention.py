@@ -45,7 +45,7 @@ def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     if link is None or layer.is_cross_attention:
         return {}
     runtime = link.runtime
-    if not runtime.admission.row_context and not runtime.decode:
+    if not runtime.admission.rows.row_context and not runtime.decode:
         return {}  # the common case: no running row reads a compacted prefix or runs a decode step
     if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
@@ -53,10 +53,10 @@ def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     if index is None:
         return {}
     batch = link.batch(forward_batch)
-    masked = runtime.admission.masked_rows(index, batch)
+    masked = runtime.admission.rows.masked_rows(index, batch)
     if runtime.decode and batch.is_decode:
         # A child running a decode step: its span over this layer's own keys (kept entries, then its tokens).
-        contexts = runtime.admission.child_contexts(index, batch)
+        contexts = runtime.admission.rows.child_contexts(index, batch)
         masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens, contexts))
     return masked
 
@@ -200,7 +200,7 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     link = link_of(backend)
     runtime, batch = link.runtime, link.batch(forward_batch)
     index = runtime.compactor.layer_index.get(layer.layer_id)
-    masked = runtime.admission.masked_rows(index, batch) if index is not None and runtime.admission.row_context else {}
+    masked = runtime.admission.rows.masked_rows(index, batch) if index is not None and runtime.admission.rows.row_context else {}
     req_to_token = backend.req_to_token_pool.req_to_token
     row_keys, extra_k, extra_v, extra_count = [], [], [], 0
     for i, (row, seq_len) in enumerate(zip(batch.rows, batch.seq_lens)):

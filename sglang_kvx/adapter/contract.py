@@ -24,6 +24,8 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.managers.schedule_batch.Req.init_next_round_input": ("around_init_next_round_input", HOOK_AROUND),
     # Where a queued request joins the next prefill: a child whose context is still being scored waits.
     "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req": ("around_add_one_req", HOOK_AROUND),
+    # Where SGLang drops a queued request aborted before it ran: a context it adopted is idle again.
+    "sglang.srt.managers.scheduler.Scheduler._release_aborted_request": ("after_release_aborted_request", HOOK_AFTER),
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices": (
         "around_prefix_device_indices", HOOK_AROUND),
     # Rows are assigned here: children's offsets and recurrent states, parents' recordings.

@@ -108,6 +108,7 @@ def build_runtime(scheduler, config):
         gate_tau=config.gate_tau, page_size=int(scheduler.page_size), sparse_budget=config.sparse_budget,
         decode_steps=config.decode_steps, reserved_tenants=config.reserved_tenants, host_store_gb=config.host_store_gb,
         context_dir=config.context_dir, disk_store_gb=config.disk_store_gb, persist_contexts=config.persist_contexts,
+        context_secret_file=config.context_secret_file,
         model_fingerprint=context_file_fingerprint(scheduler, pool, attention_ids, gdn_ids) if config.context_dir else "",
     )
 
@@ -211,18 +212,36 @@ def around_init_next_round_input(original, req, tree_cache=None, cow_mamba=None)
 
 
 def around_add_one_req(original, adder, req, *args, **kwargs):
-    """A child waiting for its context's second passes stays in the queue; the requests behind it go on."""
+    """Where SGLang charges a request to the round's budget: a child whose context is held below the
+    pool gets it back only if the budget (live: after every request admitted before it) has room, then
+    is matched again (now a child, or plain). A child whose restore waits for room ends the round as
+    any request that does not fit does (NO_TOKEN); one waiting for its context's second passes or its
+    file stays in the queue while the requests behind it go on."""
     runtime = runtime_of(adder.tree_cache.req_to_token_pool)
-    if runtime is not None and runtime.waits(SGLangRequest(req)):
-        from sglang.srt.managers.schedule_policy import AddReqResult
+    if runtime is not None:
+        from sglang_kvx.adapter.views import SGLangRoundBudget
 
-        return AddReqResult.CONTINUE
+        request = SGLangRequest(req)
+        if runtime.admit_restore(request, SGLangRoundBudget(adder)):
+            req.init_next_round_input(adder.tree_cache)
+        if runtime.waits(request):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.NO_TOKEN if runtime.waits_for_room(request) else AddReqResult.CONTINUE
     return original(adder, req, *args, **kwargs)
+
+
+def after_release_aborted_request(result, scheduler, req, *_args, **_kwargs):
+    """A queued request aborted before it ran (its client went away): a context it adopted is idle again."""
+    runtime = runtime_of(scheduler.req_to_token_pool)
+    if runtime is not None:
+        runtime.dropped_from_queue(SGLangRequest(req))
+    return result
 
 
 def around_prefix_device_indices(original, tree_cache, req):
     runtime = runtime_of(tree_cache.req_to_token_pool)
-    slots = runtime.admission.child_prefix_slots(SGLangRequest(req)) if runtime is not None else None
+    slots = runtime.admission.rows.prefix_slots(SGLangRequest(req)) if runtime is not None else None
     return original(tree_cache, req) if slots is None else slots
 
 
@@ -368,8 +387,8 @@ def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_ar
     if runtime is None:
         return forward_batch
     # Children's tokens continue from the true context length (RoPE), not the compacted one.
-    if runtime.admission.any_offsets and forward_batch.positions is not None and forward_batch.req_pool_indices is not None:
-        offsets = runtime.admission.position_offset[forward_batch.req_pool_indices.to(torch.long)]
+    if runtime.admission.rows.any_offsets and forward_batch.positions is not None and forward_batch.req_pool_indices is not None:
+        offsets = runtime.admission.rows.position_offset[forward_batch.req_pool_indices.to(torch.long)]
         mode = forward_batch.forward_mode
         if mode.is_decode():
             forward_batch.positions = forward_batch.positions + offsets
@@ -451,7 +470,7 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
         return False  # block-sparse attention runs the kernel layer's ops, eagerly
     if link.runtime.decode and link.runtime.decode.any_hidden():
         return False  # a decode step hides part of some row's history
-    return not link.runtime.admission.needs_per_layer_lengths(link.batch(forward_batch))
+    return not link.runtime.admission.rows.needs_per_layer_lengths(link.batch(forward_batch))
 
 
 def around_dp_routing(original, controller, req):

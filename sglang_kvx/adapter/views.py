@@ -11,7 +11,7 @@ import torch
 
 from sglang_kvx.ports import Segment
 
-STATE_ATTR = "_kvx_state"  # on a Req: its serve.admission.RequestState
+STATE_ATTR = "_kvx_state"  # on a Req: its serve.request_state.RequestState
 
 
 class SGLangTensorParallel:
@@ -55,6 +55,7 @@ class SGLangKVPool:
         first = self._kv.get_key_buffer(self._layer_ids[0])
         self.num_kv_heads, self.head_dim = int(first.shape[1]), int(first.shape[2])
         self.device = first.device
+        self.dtype = first.dtype
         self.bytes_per_entry = 2 * self.num_kv_heads * self.head_dim * first.element_size()
         self.has_state = self._state_pool is not None
         self.total = int(scheduler.max_total_num_tokens)
@@ -153,6 +154,9 @@ class SGLangKVPool:
     def snapshot_state(self, request: "SGLangRequest") -> Any:
         return self._state_pool.get_cpu_copy(self._state_slot(request))
 
+    def state_template(self) -> Any:
+        return self._state_pool.get_cpu_copy(torch.zeros(1, dtype=torch.long, device=self.device))
+
     def restore_state(self, request: "SGLangRequest", snapshot: Any) -> None:
         self._state_pool.load_cpu_copy(snapshot, self._state_slot(request))
         # SGLang zeroes a fresh request's state slot later in the same prepare step (a deferred
@@ -241,17 +245,16 @@ class SGLangRequest:
     def state(self, value: Any) -> None:
         setattr(self.req, STATE_ATTR, value)
 
-    def abort(self, message: str) -> None:
+    def abort(self, message: str, status: int = 400) -> None:
+        kind = "BadRequestError" if status < 500 else "InternalServerError"
         if self.req.output_ids:
             # Running: SGLang's own abort of a running request (it finishes after this step and is
             # released as usual); set_finish_with_abort would rewrite its prompt under the tree.
-            from http import HTTPStatus
-
             from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-            self.req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            self.req.to_finish = FINISH_ABORT(message, max(status, 500), "InternalServerError")
         else:
-            self.req.set_finish_with_abort(message)
+            self.req.set_finish_with_abort(message, status, kind)
 
     def keep_out_of_tree(self) -> None:
         self.req.skip_radix_cache_insert = True
@@ -263,6 +266,18 @@ class SGLangRequest:
 
     def hide_from_client(self) -> None:
         self.req.finished_output = True  # SGLang sends nothing of it to the tokenizer manager
+
+
+class SGLangRoundBudget:
+    """SGLang's ``PrefillAdder`` as ``ports.RoundBudget``: both its remaining budgets read live."""
+
+    __slots__ = ("adder",)
+
+    def __init__(self, adder) -> None:
+        self.adder = adder
+
+    def room(self) -> int:
+        return int(min(self.adder.rem_total_tokens, self.adder.cur_rem_tokens))
 
 
 class SGLangBatch:

@@ -3,56 +3,44 @@
 A *parent* (a prefill-only request, or one asking ``{"kvx": {"compact": true}}``) is compacted at
 release. A *child* (its prompt strictly extends a stored context compacted under its settings)
 takes the context's S rank slots as a cached prefix: its context tokens are replaced by S
-placeholders, its own tokens keep their true positions (offset n - S) and its recurrent state
-starts from the parent's snapshot. Room for a waiting request is made by evicting idle stored
-contexts, least recently used first.
+placeholders, its own tokens keep their true positions (offset n - S, ``serve/child_rows.py``) and
+its recurrent state starts from the parent's snapshot.
+
+Each request entering a prefill round gets one ``Plan`` (``serve/plans.py``) from a short pipeline:
+
+  _parse        its fields, once (a bad one: refused)
+  _as_parent    a parent: room for its prompt, its settings checked
+  _find         the longest stored context it extends: in the pool, or held in a tier below it
+                (or it waits for its context's second passes)
+  _child_checks what a child cannot be (log-probabilities inside the context; a decode step that
+                does not apply to such a child): plain with the reason, or refused
+  _room         room for a pooled context's child (idle contexts evicted, least recently used first)
+  admit_restore (a held context, run where SGLang charges the request to the round's budget) the
+                context comes back into the pool only where the budget has room for it and for the
+                child; else the child waits, or is served by a full prefill with the reason
+
+Nothing here allocates a slot outside ``admit_restore``, and ``admit_restore`` allocates only what
+the round's budget shows free after every request it already admitted: SGLang's own allocation for
+the batch cannot fail for want of what the extension took.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
-from sglang_kvx.decode import DecodeSettings, DecodeStep
 from sglang_kvx.policies import get_policy
-from sglang_kvx.ports import Batch, KVPool, Request
-from sglang_kvx.settings import GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError, request_fields_of, resolve_decode, resolve_settings
+from sglang_kvx.ports import KVPool, Request, RoundBudget
+from sglang_kvx.serve.child_rows import ChildRows
 from sglang_kvx.serve.eviction import StoreEviction
-from sglang_kvx.serve.tiering import ROOM_LATER
-from sglang_kvx.store import CompactedContext, ContextStore, PrefixCells
+from sglang_kvx.serve.plans import (CHILD, PARENT_PLAN, PLAIN, PLAIN_PLAN, REFUSE, REFUSED, RESTORE, WAIT_PASSES,
+                                    WAIT, WAIT_READ, WAIT_ROOM, Plan, refuse, wait)
+from sglang_kvx.serve.request_state import RequestState, settings_of, state_of
+from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestState:
-    """The extension's state of one request, parsed once when it is first admitted."""
-
-    fields: RequestFields
-    parent: bool
-    settings: CompactionSettings | None = None  # resolved for parents, and for children while the store is non-empty
-    context: CompactedContext | None = None  # the stored context a child (or a KVzip pass) reads
-    internal: bool = False  # a KVzip reconstruction pass
-    checked: bool = False  # a parent's settings were validated against its context
-    outcome: dict | None = None  # what the extension did with it, for the response's meta_info["kvx"]
-    reported: bool = False  # the outcome went out with a response
-    decode: DecodeSettings | None = None  # the decode step it runs (its own or --kvx-decode's)
-    prefix_checked: bool = False  # a plain request was compared with earlier prompts (shared beginnings)
-    built_step: DecodeStep | None = None  # ``decode`` built, once (``decode_step``)
-    waits: bool = False  # a child whose context's second passes still run: it stays queued until they end
-    waited_since: float | None = None  # when it first waited (its response says how long)
-
-    def decode_step(self) -> DecodeStep:
-        """The request's decode step, built on first use and kept: one instance per request, which
-        may hold state of its own; every later use (its generation bound, its row) reads this one."""
-        if self.built_step is None:
-            self.built_step = self.decode.build()
-        return self.built_step
-
 
 class Admission:
     def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, num_rows: int,
@@ -64,127 +52,148 @@ class Admission:
         self.passes_pending = passes_pending
         self.children_waited = 0  # children that waited for their context's second passes
         self.eviction = StoreEviction(pool, store, defaults, held_slots or store.slots_held)
+        self.tiering = self.eviction.tiering
         self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
         self.store = store
         self.defaults = defaults
-        self.row_context: dict[int, CompactedContext] = {}  # request row -> the compacted prefix it reads
-        # True-position offset of each request row's tokens (n - S for a child, else 0).
-        self.position_offset = torch.zeros(num_rows, dtype=torch.int64, device=pool.device)
+        self.rows = ChildRows(pool, num_rows)
 
-    # --- state -------------------------------------------------------------------
+    # --- a request's fields, parsed once ---------------------------------------------------------
 
     def state_of(self, request: Request) -> RequestState | None:
         """The request's state, parsed on first sight; None (and the request aborted) when its fields are bad."""
-        state = request.state
-        if state is None:
-            try:
-                fields = request_fields_of(request.custom_params)
-                decode = resolve_decode(fields, self.defaults)  # checked against the model even where unused
-            except SettingsError as exc:
-                request.abort(f"sglang_kvx: {exc}")
-                return None
-            parent = fields.compact if fields.compact is not None else request.max_new_tokens == 0
-            # SGLang's prefix warm-up for parallel sampling (n > 1) is prefill-only but no context.
-            custom = request.custom_params
-            if fields.compact is None and isinstance(custom, dict) and custom.get(GENERATING_MARK) is True:
-                parent = False
-            # Without a policy (a decode-steps-only server) a request is a parent only by naming one.
-            parent = parent and (fields.policy is not None or get_policy(self.defaults.policy).compacts)
-            decode = None if parent or request.max_new_tokens == 0 else decode
-            state = request.state = RequestState(fields=fields, parent=parent, decode=decode)
-        return state
+        return state_of(request, self.defaults)
 
     def settings_of(self, request: Request, state: RequestState) -> CompactionSettings | None:
-        if state.settings is None:
-            try:
-                state.settings = resolve_settings(state.fields, self.defaults)
-            except (SettingsError, ValueError) as exc:
-                request.abort(f"sglang_kvx: {exc}")
-                return None
-        return state.settings
+        return settings_of(request, state, self.defaults)
 
-    # --- entering a prefill --------------------------------------------------------
+    # --- the pipeline ----------------------------------------------------------------------------
 
-    def before_round(self, request: Request, internal_context: CompactedContext | None = None) -> bool:
-        """Before SGLang matches a request's prefix: True when it is a child whose prefix the caller
-        takes from the store instead of the prefix cache."""
+    def before_round(self, request: Request, internal_context: CompactedContext | None = None) -> Plan:
+        """Before SGLang matches a request's prefix: its plan for this round (``serve/plans.py``)."""
         state = request.state
         if state is not None and state.context is not None:
-            return not request.holds_kv
+            return Plan(CHILD, state.context) if not request.holds_kv else PLAIN_PLAN
         if request.has_output or request.finished:
-            return False
+            return PLAIN_PLAN
         state = self.state_of(request)
         if state is None:
-            return False
-        wanted = self.eviction.slots_wanted(len(request.input_ids), request.max_new_tokens)
+            return REFUSED
         if internal_context is not None:  # a KVzip reconstruction pass: a child of the held full context
-            self.eviction.make_room(len(request.input_ids) - internal_context.n, keep=internal_context,
-                           tenant=internal_context.tenant)
-            request.keep_out_of_tree()
-            request.hide_from_client()
-            state.internal = True
-            self._adopt(state, internal_context)
-            return True
-        tenant = state.fields.tenant
-        if state.parent:
-            if self._no_room_ever(request, self.eviction.make_room(wanted, tenant=tenant)):
-                return False
-            self._check_parent(request, state)
-            return False
-        context, restored_from, restore_problem = None, None, None
+            return self._internal_pass(request, state, internal_context)
+        plan = self._as_parent(request, state) if state.parent else self._as_child(request, state)
+        state.plan = plan if plan.queued else None
+        if plan.kind == REFUSE and plan.reason is not None:
+            request.abort(f"sglang_kvx: {plan.reason}", plan.status)
+        return plan
+
+    def _internal_pass(self, request: Request, state: RequestState, context: CompactedContext) -> Plan:
+        self.eviction.make_room(len(request.input_ids) - context.n, keep=context, tenant=context.tenant)
+        request.keep_out_of_tree()
+        request.hide_from_client()
+        state.internal = True
+        self._adopt(state, context)
+        return Plan(CHILD, context)
+
+    def _as_parent(self, request: Request, state: RequestState) -> Plan:
+        never = self.eviction.make_room(self._wanted(request), tenant=state.fields.tenant)
+        if never is not None:
+            return refuse(never)
+        if not state.checked:
+            state.checked = True
+            settings = self.settings_of(request, state)
+            if settings is None:
+                return REFUSED
+            n = len(request.input_ids)
+            if settings.protected_prefix_len >= n:
+                return refuse(f"protected prefix of {settings.protected_prefix_len} tokens leaves nothing to compact "
+                              f"in the {n}-token context")
+            if problem := self.parent_check(settings, n):
+                return refuse(problem)
+        return PARENT_PLAN
+
+    def _as_child(self, request: Request, state: RequestState) -> Plan:
         # Without a policy of its own or the server's, a request reads no compacted context (another
         # client's parent named one): it is plain, whatever the store holds.
         names_a_policy = state.fields.policy is not None or get_policy(self.defaults.policy).compacts
         if state.fields.policy is not None and self.settings_of(request, state) is None:
-            return False  # the settings a request names are checked whether or not the store holds a context
-        state.waits = False
-        stored = len(self.store) or self.eviction.tiering.holds_any()
-        if not state.fields.wants_full_cache and names_a_policy and (stored or self.passes_pending(request.input_ids, None)):
-            settings = self.settings_of(request, state)
-            if settings is None:
-                return False
-            context = self.store.longest_prefix_of(request.input_ids, settings)
-            if self.eviction.tiering.holds_any():
-                context, restored_from, restore_problem = self.eviction.from_tiers(request.input_ids, settings, context, tenant)
-                if restore_problem == ROOM_LATER:  # its context comes back once running requests free the room
-                    state.waits = True  # queued; the requests behind it go on
-                    return False
-            if context is None and self.passes_pending(request.input_ids, settings):
-                # Its context is being scored by second passes: served when they end, as the same child
-                # sent a moment later would be (not from the full cache, which would depend on timing).
-                state.waits = True
-                if state.waited_since is None:
-                    state.waited_since = time.monotonic()
-                    self.children_waited += 1
-                return False
+            return REFUSED  # the settings a request names are checked whether or not the store holds a context
+        found = self._find(request, state) if names_a_policy and not state.fields.wants_full_cache else None
+        if found is not None and found.kind in (CHILD, RESTORE):
+            found = self._child_checks(request, state, found) or found
+        if found is None or found.kind == PLAIN:
+            never = self.eviction.make_room(self._wanted(request), tenant=state.fields.tenant)
+            return refuse(never) if never is not None else PLAIN_PLAN
+        if found.kind == CHILD:
+            return self._room(request, state, found.context)
+        return found  # RESTORE (the budget's step), WAIT or REFUSE
+
+    def _find(self, request: Request, state: RequestState) -> Plan | None:
+        """The longest stored context the prompt extends: CHILD (in the pool), RESTORE (longer, held in a
+        tier below it), WAIT (its context is being scored), or None."""
+        previous = state.plan
+        if previous is not None and previous.reason == WAIT_READ and not state.skip_tiers:
+            return Plan(RESTORE, held=previous.held)  # its file's read (done, or not yet) decides
+        stored = len(self.store) or (not state.skip_tiers and self.tiering.holds_any())
+        if not (stored or self.passes_pending(request.input_ids, None)):
+            return None
+        settings = self.settings_of(request, state)
+        if settings is None:
+            return REFUSED
+        context = self.store.longest_prefix_of(request.input_ids, settings)
+        if not state.skip_tiers:
+            held = self.tiering.locate(request.input_ids, settings, beaten=context.n if context is not None else 0)
+            if held is not None:
+                return Plan(RESTORE, held=held)
+        if context is not None:
+            return Plan(CHILD, context)
+        if self.passes_pending(request.input_ids, settings):
+            # Its context is being scored by second passes: served when they end, as the same child
+            # sent a moment later would be (not from the full cache, which would depend on timing).
+            if state.waited_since is None:
+                state.waited_since = time.monotonic()
+                self.children_waited += 1
+            return wait(WAIT_PASSES)
+        return None
+
+    def _child_checks(self, request: Request, state: RequestState, found: Plan) -> Plan | None:
+        """What a child of ``found``'s context cannot be: None (it can), PLAIN (served with the full
+        cache, the reason in its outcome) or REFUSE."""
+        context = found.context if found.kind == CHILD else found.held
         logprobs_from = request.input_logprobs_from
-        if context is not None and logprobs_from is not None and logprobs_from < context.n:
+        if logprobs_from is not None and logprobs_from < context.n:
             # Log-probabilities of the context's own tokens need its whole cache (a full prefill), as on plain SGLang.
             state.outcome = {"child": False, "context_tokens": context.n, "reason": f"logprob_start_len {logprobs_from} "
                              f"lies inside the stored context ({context.n} tokens): served with the full cache"}
-            context = None
-        if context is None:
-            if restore_problem is not None:  # its context is in a tier the pool could not take it back from
-                state.outcome = {"child": False, "reason": restore_problem}
-            self._no_room_ever(request, self.eviction.make_room(wanted, tenant=tenant))
-            return False
-        if state.decode is not None and context.layout.per_head:
+            return PLAIN_PLAN
+        if state.decode is not None and context.per_head:
             if state.fields.decode is not None:
-                request.abort(f"sglang_kvx: decode step {state.decode.step!r} does not yet apply to a child of a context "
-                              f"compacted with per-head budgets (allocation {context.settings.allocation!r}); send it with "
-                              f"\"compact\": false, or compact the context with allocation 'flat'")
-                return False
+                return refuse(f"decode step {state.decode.step!r} does not yet apply to a child of a context "
+                              f"compacted with per-head budgets (allocation {context.settings.allocation!r}); send it "
+                              f"with \"compact\": false, or compact the context with allocation 'flat'")
             state.decode = None  # the server's default is not applied to such children: full attention
         if state.decode is not None and state.decode.step_class.drops:
             if state.fields.decode is not None:
-                request.abort(f"sglang_kvx: decode step {state.decode.step!r} evicts entries, which does not yet "
-                              f"apply to a child of a compacted context; send it with \"compact\": false")
-                return False
+                return refuse(f"decode step {state.decode.step!r} evicts entries, which does not yet apply to a "
+                              f"child of a compacted context; send it with \"compact\": false")
             state.decode = None  # the server's evicting default is not applied to children: full attention
-        # Room for the child's own tokens, never by evicting the context it is about to read.
-        if self._no_room_ever(request, self.eviction.make_room(wanted - context.n, keep=context, tenant=tenant)):
-            return False
-        # Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix).
+        return None
+
+    def _wanted(self, request: Request, prompt_tokens: int | None = None) -> int:
+        return self.eviction.slots_wanted(len(request.input_ids) if prompt_tokens is None else prompt_tokens,
+                                          request.max_new_tokens)
+
+    def _room(self, request: Request, state: RequestState, context: CompactedContext) -> Plan:
+        """Room for a pooled context's child: its own tokens, never by evicting the context it reads."""
+        never = self.eviction.make_room(self._wanted(request) - context.n, keep=context, tenant=state.fields.tenant)
+        if never is not None:
+            return refuse(never)
+        self._become_child(request, state, context)
+        return Plan(CHILD, context)
+
+    def _become_child(self, request: Request, state: RequestState, context: CompactedContext) -> None:
+        """Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix)."""
+        logprobs_from = request.input_logprobs_from
         question = list(request.input_ids[context.n :])
         request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
         if logprobs_from is not None:  # the prompt is now S placeholders + the question: same token, new index
@@ -193,13 +202,10 @@ class Admission:
         context.reuse_count += 1
         self._adopt(state, context)
         state.outcome = {"child": True, "context_tokens": context.n, "slots": context.num_slots,
-                         "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction}
+                         "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction,
+                         **(state.restored or {})}
         if state.waited_since is not None:
             state.outcome["waited_for_second_passes_s"] = round(time.monotonic() - state.waited_since, 3)
-        if restored_from is not None or restore_problem is not None:
-            state.outcome.update({"restored_from": restored_from, "restore_s": context.timings["restore_s"]}
-                                 if restored_from is not None else {"restore_failed": restore_problem})
-        return True
 
     @staticmethod
     def _adopt(state: RequestState, context: CompactedContext) -> None:
@@ -207,99 +213,62 @@ class Admission:
         context.active_children += 1
         context.last_used = time.monotonic()
 
-    @staticmethod
-    def _no_room_ever(request: Request, problem: str | None) -> bool:
-        """Refuse (400) a request ``make_room`` says can never be admitted: SGLang would queue it for
-        good, and every request behind it would wait too."""
-        if problem is not None:
-            request.abort(f"sglang_kvx: {problem}")
-        return problem is not None
+    # --- a held context back into the pool, within the round's budget ------------------------------
 
-    def _check_parent(self, request: Request, state: RequestState) -> None:
-        if state.checked:
-            return
-        state.checked = True
-        settings = self.settings_of(request, state)
-        if settings is None:
-            return
-        n = len(request.input_ids)
-        if settings.protected_prefix_len >= n:
-            request.abort(
-                f"sglang_kvx: protected prefix of {settings.protected_prefix_len} tokens leaves nothing to compact "
-                f"in the {n}-token context"
-            )
-            return
-        problem = self.parent_check(settings, n)
-        if problem is not None:
-            request.abort(f"sglang_kvx: {problem}")
-
-    def child_prefix_slots(self, request: Request) -> torch.Tensor | None:
+    def admit_restore(self, request: Request, budget: RoundBudget) -> None:
+        """Where SGLang charges a request whose plan is RESTORE to the round's budget: its context back
+        into the pool if the budget (what the requests admitted before it in this round and the running
+        ones leave) holds the context's S slots and the child's own; else it waits (running requests
+        hold the room, or its file is still being read) or, when the room can never be had or the
+        context cannot come back, its plan is cleared with the reason: the caller matches it again,
+        now a child of the restored context, or plain."""
         state = request.state
-        context = state.context if state is not None else None
-        return None if context is None else context.slots[: request.prefix_len]
-
-    def place(self, request: Request) -> CompactedContext | None:
-        """Its row is assigned: record the row's position offset; a child's recurrent state starts from
-        the parent's snapshot. Returns the context a child reads (None for others)."""
-        row = request.row
-        state = request.state
-        context = state.context if state is not None else None
+        held = state.plan.held
+        entry = self.tiering.ready(held)
+        if entry is None:
+            state.plan = Plan(WAIT, held=held, reason=WAIT_READ)
+            return
+        if isinstance(entry, str):
+            return self._restore_failed(state, entry)
+        need = entry.num_slots + self._wanted(request, len(request.input_ids) - entry.n)
+        # Idle pooled contexts make way first; what can never be freed for it leaves it to a full prefill.
+        never = self.eviction.make_room(need, tenant=state.fields.tenant)
+        if never is not None:
+            return self._restore_failed(state, self.tiering.failed(
+                f"no room in the KV pool for the {entry.num_slots} slots of the {entry.n}-token context held in the "
+                f"{held.tier.name} tier and its child ({never})"))
+        if budget.room() < need:  # requests running or admitted this round hold the room: free once they end
+            self.tiering.restore_waits += 1
+            state.plan = wait(WAIT_ROOM)
+            return
+        context, problem = self.tiering.restore(held, entry)
         if context is None:
-            self.row_context.pop(row, None)
-            self.position_offset[row] = 0
-            return None
-        self.position_offset[row] = context.n - context.num_slots
-        self.row_context[row] = context
-        if context.gdn_snapshot is not None and request.prefix_len == context.num_slots:
-            self.pool.restore_state(request, context.gdn_snapshot)
-        return context
+            if problem is None:
+                state.plan = wait(WAIT_ROOM)
+                return
+            return self._restore_failed(state, problem)
+        self.store.add(context, compacted=False)
+        state.restored = {"restored_from": held.tier.name, "restore_s": context.timings["restore_s"]}
+        state.plan = None
 
-    def release_child(self, request: Request) -> None:
-        context = request.state.context
-        if request.finished:
-            context.active_children -= 1
-        if request.holds_kv:
-            self.position_offset[request.row] = 0
-            self.row_context.pop(request.row, None)
+    @staticmethod
+    def _restore_failed(state: RequestState, problem: str) -> None:
+        """Served as if nothing were stored below the pool: a full prefill, or a child of the pool's best."""
+        state.skip_tiers = True
+        state.outcome = {"child": False, "reason": problem}  # a child of the pool's best says it as restore_failed
+        state.restored = {"restore_failed": problem}
+        state.plan = None
 
-    # --- what attention reads ------------------------------------------------------
+    # --- leaving -----------------------------------------------------------------------------------
 
-    @property
-    def any_offsets(self) -> bool:
-        """Whether some running row reads a compacted prefix (positions to shift); no device sync."""
-        return bool(self.row_context)
-
-    def masked_rows(self, layer: int, batch: Batch) -> dict[int, PrefixCells]:
-        """Batch index -> PrefixCells for each row reading a compacted prefix that attention layer
-        ``layer`` reads other than as its S slots (masked ranks, borrowed cells). Looks at the
-        batch's rows only while a child of such a context runs."""
-        if not any(context.needs_masked_attention for context in self.row_context.values()):
-            return {}
-        found = {}
-        for i, row in enumerate(batch.rows):
-            context = self.row_context.get(row)
-            if context is not None and context.prefix_cells[layer] is not None:
-                found[i] = context.prefix_cells[layer]
-        return found
-
-    def child_contexts(self, layer: int, batch: Batch) -> dict[int, tuple[CompactedContext, PrefixCells | None]]:
-        """Batch index -> (the compacted context the row reads, its cells in attention layer ``layer``)."""
-        if not self.row_context:
-            return {}
-        found = {}
-        for i, row in enumerate(batch.rows):
-            context = self.row_context.get(row)
-            if context is not None:
-                found[i] = (context, context.prefix_cells[layer] if context.prefix_cells else None)
-        return found
-
-    def needs_per_layer_lengths(self, batch: Batch) -> bool:
-        if not any(context.needs_masked_attention for context in self.row_context.values()):
-            return False
-        return any(self.row_context[row].needs_masked_attention for row in batch.rows if row in self.row_context)
+    def dropped_from_queue(self, request: Request) -> None:
+        """SGLang dropped a queued request (its client went away): a context it adopted is idle again."""
+        state = request.state
+        if state is not None and state.context is not None and not request.holds_kv:
+            state.context.active_children -= 1
+            state.context = None
 
     def forget_all(self) -> None:
         self.store.contexts.clear()
-        self.eviction.tiering.clear()  # /flush_cache empties every tier too
-        self.row_context.clear()
-        self.position_offset.zero_()
+        self.tiering.clear()  # /flush_cache empties every tier too
+        self.rows.clear()

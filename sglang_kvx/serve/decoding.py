@@ -262,7 +262,7 @@ class DecodeRunner:
         self.failures += 1
         self.last_error = f"{state.step.name}: {type(exc).__name__}: {str(exc)[:200]}"
         logger.exception("sglang_kvx: decode step %s failed; its request is aborted", state.step.name)
-        state.request.abort(f"sglang_kvx: decode step {state.step.name!r} failed inside the server (internal error)")
+        state.request.abort(f"sglang_kvx: decode step {state.step.name!r} failed inside the server (internal error)", 500)
 
     def masked_rows(self, layer: int, rows: list[int], seq_lens: list[int],
                     contexts: dict[int, tuple[CompactedContext, PrefixCells | None]] | None = None) -> dict[int, PrefixCells]:

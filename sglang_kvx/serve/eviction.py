@@ -10,8 +10,10 @@ from typing import Callable
 from sglang_kvx.ports import KVPool
 from sglang_kvx.serve.tenant_reserve import TenantReserve
 from sglang_kvx.serve.tiering import GB, Tiering
-from sglang_kvx.settings import CompactionSettings, ServerDefaults
+from sglang_kvx.settings import ServerDefaults
 from sglang_kvx.store.disk import DiskTier
+from sglang_kvx.store.context_file import read_secret
+from sglang_kvx.store.fit_check import PoolFacts
 from sglang_kvx.store import CompactedContext, ContextStore
 
 logger = logging.getLogger(__name__)
@@ -28,9 +30,11 @@ class StoreEviction:
         self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
         self.refused = 0  # times the rest of the store was reserved or in use: no eviction
         # Where evicted contexts go instead of nowhere (--kvx-host-store-gb), and come back from.
-        disk = (DiskTier(defaults.context_dir, int(defaults.disk_store_gb * GB), defaults.model_fingerprint)
-                if defaults.context_dir else None)
-        self.tiering = Tiering(pool, int(defaults.host_store_gb * GB), disk, persist=defaults.persist_contexts)
+        facts = PoolFacts.of(pool)
+        disk = (DiskTier(defaults.context_dir, int(defaults.disk_store_gb * GB), defaults.model_fingerprint, facts,
+                         read_secret(defaults.context_secret_file)) if defaults.context_dir else None)
+        self.tiering = Tiering(pool, int(defaults.host_store_gb * GB), disk, persist=defaults.persist_contexts,
+                               facts=facts)
         store.on_add.append(self.tiering.stored)
 
     def slots_wanted(self, prompt_tokens: int, max_new_tokens: int | None) -> int:
@@ -77,19 +81,6 @@ class StoreEviction:
         self.store.remove(victim)
         self.pool.free(victim.slots)
         self.evicted += 1
-
-    def from_tiers(self, prompt_ids, settings: CompactionSettings, context: CompactedContext | None,
-                   tenant: str | None) -> tuple[CompactedContext | None, str | None, str | None]:
-        """A context longer than the pool's best for this prompt (``context``), held in a tier below the
-        pool, back in the store -- a child then reads what it would have read had the context never
-        left. (context to read, the tier it came back from, why a restore failed -- ``ROOM_LATER`` when
-        running requests hold its room): the pool's best on failure."""
-        restored, why = self.tiering.restore(prompt_ids, settings, context.n if context is not None else 0,
-                                             make_room=lambda count: self.make_room(count, tenant=tenant))
-        if restored is None:
-            return context, None, why
-        self.store.add(restored, compacted=False)
-        return restored, restored.timings["restored_from"], None
 
     def _never_fits(self, tokens: int, room: int, keep: CompactedContext | None, reserved: set[int],
                     tenant: str | None) -> str | None:

@@ -16,7 +16,7 @@ from sglang_kvx.compact.compactor import Compactor, NothingFreed
 from sglang_kvx.compact.second_pass import SecondPassRunner
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import KVPool, Request, TensorParallel
-from sglang_kvx.serve.admission import RequestState
+from sglang_kvx.serve.request_state import RequestState
 from sglang_kvx.settings import CompactionSettings
 from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads, get_signal
 from sglang_kvx.signals.recorder import SignalRecorder

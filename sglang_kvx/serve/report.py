@@ -35,8 +35,8 @@ def runtime_counts(runtime) -> dict[str, Any]:
         # Each decode step's own figures (its ``totals``: ODA's routing, learned-gate deletions, per-head evictions).
         **{name: value for name, value in runtime.decode.totals.items() if isinstance(value, (int, float))},
         "sparse_index_blocks_built": runtime.sparse_index.blocks_built,  # compressed keys built (not reused)
-        "shared_prefixes_seen": runtime.shared.seen,  # plain requests repeating an unmarked long beginning
-        "auto_contexts_queued": runtime.auto_contexts,
+        "shared_prefixes_seen": runtime.auto.shared.seen,  # plain requests repeating an unmarked long beginning
+        "auto_contexts_queued": runtime.auto.queued,
         # Per tier: the pool's compacted contexts, then host memory's (--kvx-host-store-gb) and the disk's
         # (--kvx-context-dir) with their restores; the disk's files written and refused.
         "pool_contexts": len(runtime.store),

@@ -19,17 +19,18 @@ from typing import Any, Callable, Sequence
 import torch
 
 from sglang_kvx.compact.compactor import Compactor
-from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX, SecondPassRunner
+from sglang_kvx.compact.second_pass import SecondPassRunner
 from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
 from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
-from sglang_kvx.ports import KVPool, Request, TensorParallel
-from sglang_kvx.serve.admission import Admission, RequestState
+from sglang_kvx.ports import KVPool, Request, RoundBudget, TensorParallel
+from sglang_kvx.serve.admission import Admission
+from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE, WAIT_ROOM
 from sglang_kvx.serve.report import runtime_counts, runtime_stats
 from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.serve.parent_compaction import ParentCompaction
-from sglang_kvx.serve.shared_prefixes import SharedPrefixes
+from sglang_kvx.serve.shared_prefixes import AutoContexts
 from sglang_kvx.serve.sparse_index import SparseIndex
 from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
 from sglang_kvx.signals import CaptureSpec, capture_for
@@ -40,9 +41,9 @@ logger = logging.getLogger(__name__)
 
 MAX_ERRORS_KEPT = 32
 # What before_round asks of the prefix match: a child (the store's slots), the whole context, or to
-# stay queued this round (a child whose context's second passes still run).
+# stay queued this round (a child waiting for its context's second passes, its room or its file, or one
+# whose context's restore the round's budget decides, ``admit_restore``).
 CHILD, WHOLE, WAIT = "child", "whole", "wait"
-AUTO_RID_PREFIX = INTERNAL_RID_PREFIX + "shared-prefix-"  # parents of beginnings plain requests repeat
 
 
 class Runtime:
@@ -72,8 +73,7 @@ class Runtime:
         self.submit = submit
         self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
         self.num_kv_heads_total = num_kv_heads_total or pool.num_kv_heads
-        self.shared = SharedPrefixes(config.auto_context_min_tokens)
-        self.auto_contexts = 0  # parents queued for shared beginnings
+        self.auto = AutoContexts(config.auto_context_min_tokens, submit)  # beginnings plain requests repeat
         self.second_pass = SecondPassRunner(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         self.parents = ParentCompaction(pool, self.store, self.compactor, self.recorder, self.second_pass,
@@ -99,7 +99,8 @@ class Runtime:
         """Before SGLang matches a request's prefix: CHILD (its prefix comes from the store), WHOLE (a
         parent whose policy records signals inside the prefill, or a request whose decode step reads
         the prefill's attention: it must prefill its whole context, whatever the prefix cache holds,
-        or its signals would cover only the uncached part), or None.
+        or its signals would cover only the uncached part), WAIT (it stays queued: ``waits`` and
+        ``admit_restore`` say more where SGLang charges it to the round's budget), or None.
         An exception here is contained to the request: it gets an error, the scheduler goes on."""
         try:
             return self._plan_round(request)
@@ -109,32 +110,62 @@ class Runtime:
 
     @staticmethod
     def waits(request: Request) -> bool:
-        """Whether a queued request stays queued this round (``before_round`` said WAIT)."""
+        """Whether a queued request stays queued this round (its plan is WAIT, or RESTORE not yet admitted)."""
         state = request.state
         return state is not None and state.waits
+
+    @staticmethod
+    def waits_for_room(request: Request) -> bool:
+        """Whether a waiting request waits for room (SGLang then ends the round, as for any request that
+        does not fit: first come, first served); else the requests behind it go on."""
+        state = request.state
+        return state is not None and state.plan is not None and state.plan.reason == WAIT_ROOM
+
+    def admit_restore(self, request: Request, budget: RoundBudget) -> bool:
+        """Where SGLang charges a queued request to the round's budget: a child whose context is held below
+        the pool gets it back if the budget has room (``Admission.admit_restore``). Whether the caller must
+        match its prefix again (it is now a child of the restored context, or plain); False: it waits."""
+        state = request.state
+        if state is None or state.plan is None or state.plan.kind != RESTORE:
+            return False
+        try:
+            self.admission.admit_restore(request, budget)
+        except Exception as exc:  # noqa: BLE001 - contained to this request
+            state.plan = None
+            self._refuse_on_error(request, exc, "restoring a context for")
+            return False
+        return not state.waits
+
+    def dropped_from_queue(self, request: Request) -> None:
+        """SGLang dropped a queued request (aborted before it ran)."""
+        self.admission.dropped_from_queue(request)
 
     def _refuse_on_error(self, request: Request, exc: Exception, doing: str) -> None:
         self._failed(f"{type(exc).__name__} while {doing} a request: {exc}")
         logger.exception("sglang_kvx: %s request %s failed; it gets an error", doing, request.rid)
-        request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)")
+        # The server's fault, not the request's: a 500, which clients and SGLang's router may retry.
+        request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)", 500)
 
     def _plan_round(self, request: Request) -> str | None:
-        if request.rid.startswith(AUTO_RID_PREFIX) and request.state is None:
+        if self.auto.is_own(request.rid) and request.state is None:
             request.hide_from_client()  # a parent the server queued itself: no client waits for it
-        child = self.admission.before_round(request, internal_context=self.second_pass.context_of_pass(request.rid))
+        plan = self.admission.before_round(request, internal_context=self.second_pass.context_of_pass(request.rid))
         state = request.state
         if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
                 and not request.finished and state.decode.step_class.reads_hidden):
             request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
                           f"the server has none (--kvx-oda-head)")
             return None
-        if child:
+        if plan.kind == PLAN_CHILD:
             return CHILD
-        if state is not None and state.waits:
+        if plan.queued:
             return WAIT
+        if plan.kind == REFUSE:
+            return None
         if state is not None and not state.prefix_checked and not state.parent and not state.internal:
             state.prefix_checked = True
-            self._shared_prefix(request, state)
+            if state.fields == NO_FIELDS and not request.has_output and get_policy(self.defaults.policy).compacts:
+                self.auto.observe(request)
         if (state is not None and state.parent and state.settings is not None and not request.holds_kv
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
@@ -142,25 +173,6 @@ class Runtime:
                 and state.decode.step_class.reads_attention):
             return WHOLE  # online H2O scores each entry by what every query of the context paid it
         return None
-
-    def _shared_prefix(self, request: Request, state: RequestState) -> None:
-        """A plain request repeating a long beginning of an earlier one: queue that beginning as a
-        parent (``--kvx-auto-context-min-tokens``), or log what to do (flag off)."""
-        if state.fields != NO_FIELDS or request.has_output or not get_policy(self.defaults.policy).compacts:
-            return
-        prefix = self.shared.observe(request.input_ids)
-        if prefix is None:
-            return
-        if self.shared.min_tokens == 0:
-            if self.shared.seen == 1 or self.shared.seen % 100 == 0:
-                logger.warning("sglang_kvx: %d plain requests repeated a beginning of %d+ tokens that no client marked "
-                               "as a context (e.g. a %d-token one); send it once with max_new_tokens 0, or serve with "
-                               "--kvx-auto-context-min-tokens", self.shared.seen, self.shared.threshold, len(prefix))
-            return
-        self.shared.pending.add(prefix)
-        self.auto_contexts += 1
-        self.submit(f"{AUTO_RID_PREFIX}{self.auto_contexts}", list(prefix), True)
-        logger.info("sglang_kvx: compacting a %d-token beginning that plain requests repeat", len(prefix))
 
     def bounded_max_new_tokens(self, request: Request, requested: int, max_request_len: int, pool_tokens: int) -> int | None:
         """For a request whose decode step bounds its live KV (StreamingLLM), the generation length
@@ -209,7 +221,7 @@ class Runtime:
 
     def _place(self, request: Request) -> None:
         self.sparse_index.forget(request.row)  # a request (or its next prefill chunk) enters the row
-        context = self.admission.place(request)
+        context = self.admission.rows.place(request)
         state = request.state
         if state is not None and not request.finished and not request.aborted:
             if state.decode is not None and not state.parent and not state.internal:
@@ -233,8 +245,7 @@ class Runtime:
         state = request.state
         if state is None:
             return
-        if request.finished and request.rid.startswith(AUTO_RID_PREFIX):
-            self.shared.pending.discard(tuple(int(t) for t in request.input_ids))
+        self.auto.released(request)
         if state.decode is not None and request.holds_kv and request.row in self.decode.rows:
             outcome = self.decode.outcome(request.row)
             if outcome is not None:
@@ -247,7 +258,7 @@ class Runtime:
         if state.context is not None:
             if state.internal and request.rid in self.second_pass.jobs:
                 self.parents.contained(lambda: self.second_pass.finish_pass(request), request)
-            self.admission.release_child(request)
+            self.admission.rows.release(request)
             return
         if not (request.finished and state.parent and request.holds_kv):
             return

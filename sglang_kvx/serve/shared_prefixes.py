@@ -13,9 +13,16 @@ and logged, with what to do.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
+from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX
+from sglang_kvx.ports import Request
+
+logger = logging.getLogger(__name__)
+
+AUTO_RID_PREFIX = INTERNAL_RID_PREFIX + "shared-prefix-"  # parents of beginnings plain requests repeat
 
 WARN_MIN_TOKENS = 1024  # with the flag off: a repeated beginning this long is logged (once each)
 
@@ -62,3 +69,40 @@ class SharedPrefixes:
         if found in self.pending:
             return None
         return found
+
+
+class AutoContexts:
+    """The parents the server queues itself for the beginnings plain requests repeat
+    (``--kvx-auto-context-min-tokens``), or the log line saying what to do (flag off)."""
+
+    def __init__(self, min_tokens: int, submit: Callable[..., None]) -> None:
+        self.shared = SharedPrefixes(min_tokens)
+        self.submit = submit  # (rid, token ids, compact) -> a prefill-only request into the scheduler's queue
+        self.queued = 0  # parents queued for shared beginnings
+
+    @staticmethod
+    def is_own(rid: str) -> bool:
+        """Whether a request is a parent this server queued itself (no client waits for it)."""
+        return rid.startswith(AUTO_RID_PREFIX)
+
+    def observe(self, request: Request) -> None:
+        """A plain, unmarked request arrives: queue the long beginning it repeats as a parent."""
+        prefix = self.shared.observe(request.input_ids)
+        if prefix is None:
+            return
+        shared = self.shared
+        if shared.min_tokens == 0:
+            if shared.seen == 1 or shared.seen % 100 == 0:
+                logger.warning("sglang_kvx: %d plain requests repeated a beginning of %d+ tokens that no client marked "
+                               "as a context (e.g. a %d-token one); send it once with max_new_tokens 0, or serve with "
+                               "--kvx-auto-context-min-tokens", shared.seen, shared.threshold, len(prefix))
+            return
+        shared.pending.add(prefix)
+        self.queued += 1
+        self.submit(f"{AUTO_RID_PREFIX}{self.queued}", list(prefix), True)
+        logger.info("sglang_kvx: compacting a %d-token beginning that plain requests repeat", len(prefix))
+
+    def released(self, request: Request) -> None:
+        """A parent of ours finished: its beginning may be queued again once it is gone from the store."""
+        if request.finished and self.is_own(request.rid):
+            self.shared.pending.discard(tuple(int(t) for t in request.input_ids))

@@ -3,22 +3,24 @@
 ``offload`` runs when the pool evicts a context (``serve/eviction.py``): before its slots are freed,
 each attention layer's buffer over the context's S slots is copied to the host -- the folded layout
 keeps every kept rank inside those S cells of some layer, so this is exactly the kept bytes, and
-the same copy serves flat, folded and per-head layouts alike. ``restore`` (``serve/admission.py``,
-when a child's longest stored prefix is in a tier) takes S fresh slots from the pool's allocator,
-writes the bytes back (one copy) and rebuilds the ``CompactedContext`` with its cells re-pointed at
-the new slots; the child then adopts it exactly as a context that never left. When the pool cannot
-give the slots because running requests hold them, the entry goes back to its tier and the child
-waits in the queue until they end (its full prefill would need more room still); when the room can
-never be had, or a disk file is refused (and removed), the child is served as if nothing were stored
-(a full prefill, the reason in its meta_info): never a stall, never a wrong answer. The host tier's let-go entries go down to the disk tier
-(``store/disk.py``), which also takes every stored context at once with ``--kvx-persist-contexts``.
+the same copy serves flat, folded and per-head layouts alike. A child whose longest stored prefix
+is held below the pool (``locate``) gets it back in two steps: ``ready`` (host memory: at once; the
+disk: once the tier's worker has read and checked its file, the child waiting in SGLang's queue
+meanwhile) and ``restore``, which admission runs only where the round's budget holds the context's
+S slots (``serve/admission.py``): the context is checked against the pool before a slot is taken,
+S fresh slots are taken, the bytes written back (one copy) and the ``CompactedContext`` rebuilt with
+its cells re-pointed at the new slots; whatever fails after the slots were taken gives them back.
+A context that cannot come back leaves its child to a full prefill with the reason in its
+meta_info: never a stall, never a wrong answer. The host tier's let-go entries go down to the disk
+tier (``store/disk.py``), which also takes every stored context at once with ``--kvx-persist-contexts``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,14 +28,34 @@ from sglang_kvx.compact.layout import PrefixLayout
 from sglang_kvx.ports import KVPool
 from sglang_kvx.settings import CompactionSettings
 from sglang_kvx.store import CompactedContext, PrefixCells
-from sglang_kvx.store.disk import DiskTier, RefusedFile
+from sglang_kvx.store.disk import DiskTier
+from sglang_kvx.store.fit_check import PoolFacts, misfit
 from sglang_kvx.store.tiers import ContextTier, HostTier, TieredContext
 
 logger = logging.getLogger(__name__)
 
 GB = 10**9  # --kvx-host-store-gb and --kvx-disk-store-gb count decimal gigabytes
 TIER_NAMES = ("host", "disk")
-ROOM_LATER = "room later"  # Tiering.restore: the slots are free once the running requests end
+
+
+@dataclass(frozen=True)
+class Held:
+    """A context a prompt extends, held in a tier below the pool (``entry``: what that tier holds of it)."""
+
+    tier: ContextTier
+    entry: Any
+
+    @property
+    def n(self) -> int:
+        return self.entry.n
+
+    @property
+    def settings(self) -> CompactionSettings:
+        return self.entry.settings
+
+    @property
+    def per_head(self) -> bool:
+        return self.entry.per_head
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,8 +90,10 @@ class Tiering:
     the moves between them. With ``persist`` every stored context is written to disk at once, so it
     outlives the process (a restart, kill -9 included, restores it from there)."""
 
-    def __init__(self, pool: KVPool, host_bytes: int, disk: DiskTier | None = None, persist: bool = False) -> None:
+    def __init__(self, pool: KVPool, host_bytes: int, disk: DiskTier | None = None, persist: bool = False,
+                 facts: PoolFacts | None = None) -> None:
         self.pool = pool
+        self.facts = facts or PoolFacts.of(pool)
         self.host = HostTier(host_bytes)
         self.disk = disk
         self.persist_all = persist and disk is not None
@@ -83,9 +107,7 @@ class Tiering:
         self.last_restore_failure: str | None = None
 
     def holds_any(self) -> bool:
-        if self.disk is not None:
-            self.disk.scan()  # other servers sharing the directory write contexts too
-        return any(len(tier) for tier in self.tiers)
+        return any(tier.holds_any() for tier in self.tiers)
 
     def copy_out(self, context: CompactedContext) -> TieredContext:
         """A host copy of a pooled context: each attention layer's buffer over its S slots, and the rest."""
@@ -111,7 +133,7 @@ class Tiering:
         self._put(0, self.copy_out(context))
 
     def stored(self, context: CompactedContext) -> None:
-        """A context just entered the store: written to disk now with ``--kvx-persist-contexts``."""
+        """A context just entered the store: queued for the disk now with ``--kvx-persist-contexts``."""
         if self.persist_all and context.num_slots and not self.disk.holds(context.context_ids, context.settings):
             self.disk.put(self.copy_out(context))
 
@@ -128,75 +150,71 @@ class Tiering:
             else:
                 logger.info("sglang_kvx: %s tier let a %d-token context go (%d bytes)", tier.name, gone.n, gone.nbytes)
 
-    def restore(self, prompt_ids, settings: CompactionSettings, beaten: int,
-                make_room: Callable[[int], str | None]) -> tuple[CompactedContext | None, str | None]:
-        """The longest tiered context the prompt extends, longer than ``beaten`` tokens (what the pool
-        holds for it), back in the pool: (context, its tier's name), or (None, why not) -- why is None
-        when no tier holds one, ``ROOM_LATER`` when running requests hold the room it needs (the child
-        stays queued, as SGLang queues a request that fits once they end: its full prefill would need
-        more). ``make_room(S)`` asks the pool's eviction for S slots first (it says why they can never
-        be free, else None)."""
-        found = self._longest(prompt_ids, settings, beaten)
-        if found is None:
-            return None, None
-        tier, held = found
+    # --- back into the pool ----------------------------------------------------------------------
+
+    def locate(self, prompt_ids, settings: CompactionSettings, beaten: int) -> Held | None:
+        """The longest context held below the pool that the prompt extends, longer than ``beaten``
+        tokens (what the pool holds for it)."""
+        best = None
+        for tier in self.tiers:
+            entry = tier.longest_prefix_of(prompt_ids, settings)
+            if entry is not None and entry.n > beaten and (best is None or entry.n > best.n):
+                best = Held(tier, entry)
+        return best
+
+    def ready(self, held: Held) -> TieredContext | str | None:
+        """``held``'s context in host memory, checked against the pool: the context, why it cannot come
+        back (counted; the child is then served by a full prefill), or None while the disk tier reads it."""
+        fetched = held.tier.fetch(held.entry)
+        if fetched is None:
+            return None
+        if isinstance(fetched, str):
+            return self.failed(f"the {held.n}-token context in the {held.tier.name} tier cannot come back: {fetched}; "
+                               f"served by a full prefill")
+        # A file was checked whole by the tier's worker; host memory holds copies of our own pool's bytes.
+        if problem := misfit(fetched, self.facts, values=False):
+            held.tier.release(held.entry)
+            return self.failed(f"the {fetched.n}-token context in the {held.tier.name} tier does not fit this "
+                               f"server's KV pool ({problem}); served by a full prefill")
+        return fetched
+
+    def restore(self, held: Held, entry: TieredContext) -> tuple[CompactedContext | None, str | None]:
+        """``entry`` (``ready``'s) into S fresh slots of the pool: (context, None); (None, None) when the pool
+        has not the slots (the caller checked its budget: this is a race it waits out); (None, why) when
+        writing it back failed -- the slots taken are given back first."""
         start = time.perf_counter()
-        try:
-            entry = tier.take(held)  # out of host memory first: evictions making room below must not push it out
-        except (RefusedFile, OSError) as exc:
-            return None, self._failed(f"the {held.n}-token context in the {tier.name} tier could not be read back "
-                                      f"({exc}); served by a full prefill")
-        if problem := self._misfit(entry):
-            return None, self._failed(f"the {entry.n}-token context in the {tier.name} tier does not fit this "
-                                      f"server's KV pool ({problem}); served by a full prefill")
-        never = make_room(entry.num_slots)
         slots = self.pool.alloc(entry.num_slots)
         if slots is None:
-            self._put(self.tiers.index(tier), entry, moved=False)  # back where it was (disk: its file is there)
-            if never is None:  # the running requests hold the room: it is free once they end
-                self.restore_waits += 1
-                return None, ROOM_LATER
-            return None, self._failed(f"no room in the KV pool for the {entry.num_slots} slots of the "
-                                      f"{entry.n}-token context held in the {tier.name} tier")
-        device = slots.device
-        for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
-            self.pool.write(layer, slots, keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the host copy may be dropped once this returns
+            return None, None
+        try:
+            device = slots.device
+            for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
+                self.pool.write(layer, slots, keys.to(device, non_blocking=True), values.to(device, non_blocking=True))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the host copy may be dropped once this returns
+            cells = repoint_cells(entry.prefix_cells, entry.layout, slots)
+        except Exception as exc:  # noqa: BLE001 - the slots go back whatever failed; the child is served anyway
+            self.pool.free(slots)
+            held.tier.release(held.entry)
+            return None, self.failed(f"the {entry.n}-token context in the {held.tier.name} tier could not be written "
+                                     f"back ({type(exc).__name__}); served by a full prefill")
+        held.tier.release(held.entry)  # out of host memory (moved back); the disk keeps its file
         seconds = time.perf_counter() - start
-        self.restores[tier.name] += 1
-        self.restore_seconds[tier.name] += seconds
+        self.restores[held.tier.name] += 1
+        self.restore_seconds[held.tier.name] += seconds
         context = CompactedContext(
             context_ids=entry.context_ids, settings=entry.settings, slots=slots, kept_per_layer=entry.kept_per_layer,
             layout=entry.layout, keep_positions=entry.keep_positions, gdn_snapshot=entry.gdn_snapshot,
-            timings={**entry.timings, "restore_s": seconds, "restored_from": tier.name},
-            prefix_cells=repoint_cells(entry.prefix_cells, entry.layout, slots), tenant=entry.tenant,
-            reuse_count=entry.reuse_count)
-        return context, tier.name
+            timings={**entry.timings, "restore_s": seconds, "restored_from": held.tier.name},
+            prefix_cells=cells, tenant=entry.tenant, reuse_count=entry.reuse_count)
+        return context, None
 
-    def _failed(self, why: str) -> str:
+    def failed(self, why: str) -> str:
+        """Count and log why a context could not come back; returns ``why``."""
         self.restore_failures += 1
         self.last_restore_failure = why
         logger.warning("sglang_kvx: %s", why)
         return why
-
-    def _misfit(self, entry: TieredContext) -> str | None:
-        """Why ``entry``'s tensors cannot go into this pool (a file checked by fingerprint still might not)."""
-        if len(entry.keys) != self.pool.num_layers:
-            return f"{len(entry.keys)} attention layers, the pool has {self.pool.num_layers}"
-        shape = (entry.num_slots, self.pool.num_kv_heads, self.pool.head_dim)
-        for keys, values in zip(entry.keys, entry.values):
-            if tuple(keys.shape) != shape or tuple(values.shape) != shape:
-                return f"entries of shape {tuple(keys.shape)}, the pool's are {shape}"
-        return None
-
-    def _longest(self, prompt_ids, settings: CompactionSettings, beaten: int) -> tuple[ContextTier, TieredContext] | None:
-        best = None
-        for tier in self.tiers:
-            entry = tier.longest_prefix_of(prompt_ids, settings)
-            if entry is not None and entry.n > beaten and (best is None or entry.n > best[1].n):
-                best = (tier, entry)
-        return best
 
     def clear(self) -> None:
         """/flush_cache: every tier emptied, this model's context files included."""
@@ -207,8 +225,6 @@ class Tiering:
         """Per tier: contexts and bytes held, moves in, contexts let go, restores and their seconds (0
         for a tier that is off, so /metrics keeps its names); the disk's files written and refused."""
         out: dict[str, float] = {"restore_failures": self.restore_failures, "restore_waits": self.restore_waits}
-        if self.disk is not None:
-            self.disk.scan()  # what other servers sharing the directory wrote or removed shows too
         for name in TIER_NAMES:
             tier = next((t for t in self.tiers if t.name == name), None)
             held = (len(tier), tier.nbytes, tier.capacity, tier.dropped) if tier is not None else (0, 0, 0, 0)
@@ -216,15 +232,18 @@ class Tiering:
                         f"{name}_contexts_stored": self.moved_in[name], f"{name}_contexts_dropped": held[3],
                         f"{name}_restores": self.restores[name], f"{name}_restore_seconds": self.restore_seconds[name]})
         disk = self.disk
+        queued = disk.queue_report() if disk is not None else {}
         out.update({"disk_files_written": disk.written if disk is not None else 0,
                     "disk_write_failures": disk.write_failures if disk is not None else 0,
-                    "disk_files_refused": sum(disk.refused.values()) if disk is not None else 0})
+                    "disk_files_refused": sum(disk.refused.values()) if disk is not None else 0,
+                    "disk_writes_queued": queued.get("writes_queued", 0), "disk_reads_queued": queued.get("reads_queued", 0)})
         return out
 
     def disk_report(self) -> dict:
         """What /kvx/stats says of the disk tier beyond the counts: its directory, refusals by reason."""
         if self.disk is None:
             return {"enabled": False}
-        return {"enabled": True, "directory": str(self.disk.directory), "persist_contexts": self.persist_all,
+        # The directory's name only: a response never carries a machine path.
+        return {"enabled": True, "directory_name": self.disk.directory.name, "persist_contexts": self.persist_all,
                 "files_refused_by_reason": dict(self.disk.refused), "last_refusal": self.disk.last_refusal,
-                "contexts": self.disk.summaries()}
+                "queue": self.disk.queue_report(), "contexts": self.disk.summaries()}

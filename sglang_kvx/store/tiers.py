@@ -57,6 +57,10 @@ class TieredContext:
         return self.layout.num_slots
 
     @property
+    def per_head(self) -> bool:
+        return self.layout.per_head
+
+    @property
     def key(self) -> tuple:
         return (self.context_ids, self.settings)
 
@@ -79,15 +83,21 @@ class ContextTier(Protocol):
         room -- ``entry`` itself when it can never fit -- for a tier below to take."""
         ...
 
+    def holds_any(self) -> bool: ...
+
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> Any:
         """The longest entry held with ``settings`` that the prompt strictly extends (None: none); it
-        has ``n``, its token count."""
+        has ``n``, its token count, ``settings`` and ``per_head``."""
         ...
 
-    def take(self, entry: Any) -> TieredContext:
-        """``entry`` (from ``longest_prefix_of``) as a whole context, to restore to the pool; a tier
-        that moves it (host memory) stops holding it, one that copies it (disk) keeps it. Raises
-        when it cannot be read back (the disk tier's ``RefusedFile``, ``OSError``)."""
+    def fetch(self, entry: Any) -> TieredContext | str | None:
+        """``entry`` (from ``longest_prefix_of``) as a whole context in host memory; why it cannot come
+        back; or None while it is being read (the disk tier's worker)."""
+        ...
+
+    def release(self, entry: Any) -> None:
+        """``entry``'s context went back into the pool (or cannot): a tier that moves it (host memory)
+        stops holding it, one that copies it (disk) keeps it."""
         ...
 
     def clear(self) -> None: ...
@@ -142,9 +152,15 @@ class HostTier:
     def longest_prefix_of(self, prompt_ids, settings: CompactionSettings) -> TieredContext | None:
         return longest_extended(self.entries.values(), prompt_ids, settings)
 
-    def take(self, entry: TieredContext) -> TieredContext:
-        self._remove(entry)
-        return entry
+    def holds_any(self) -> bool:
+        return bool(self.entries)
+
+    def fetch(self, entry: TieredContext) -> TieredContext:
+        return entry  # in memory already (held or, if let go meanwhile, still this object)
+
+    def release(self, entry: TieredContext) -> None:
+        if self.entries.get(entry.key) is entry:
+            self._remove(entry)
 
     def _remove(self, entry: TieredContext) -> None:
         del self.entries[entry.key]
