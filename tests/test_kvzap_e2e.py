@@ -1,0 +1,95 @@
+"""KVzap and KVzip+ in the real server (issue #57), checked against the HF oracle applying the same rule:
+the served keep-set is the one HF's hidden states (KVzap) or HF's reconstruction pass (KVzip+) give,
+and the child's answer is the oracle's over that keep-set."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from sglang_kvx.policies import get_policy
+from sglang_kvx.reference.kvzip import reconstruction_attention
+from sglang_kvx.reference.signals import context_signals
+from sglang_kvx.select import choose_keep_set
+from sglang_kvx.signals import CaptureSpec
+from test_compaction_e2e import ask, compact, generate, kvx, overlap, served_keep_set, stored, text
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "Question: which word comes next? Answer:"
+
+
+def check_child(server, ref, context, keep, policy, keep_fraction, allocation=None):
+    """The child reads the served keep-set: tokens and log-probs are the oracle's over it, and differ
+    from the full cache's (the check can fail when compaction does nothing)."""
+    question = ref.encode(QUESTION)
+    params = kvx(policy, keep_fraction, 0, allocation)
+    body = generate(server, context + question, 10, sampling=params)
+    assert body["meta_info"]["kvx"][0]["child"] is True, body["meta_info"]["kvx"]
+    expected_ids, expected_lp = ref.compacted_generate(context, keep, question, 10)
+    assert body["output_ids"] == expected_ids
+    served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
+    prompt = context + question
+    full_lp = ref.prompt_logprobs(prompt + body["output_ids"])[len(prompt) - 1 :]
+    assert max(abs(a - b) for a, b in zip(served_lp, full_lp)) > 1e-4
+
+
+@pytest.mark.parametrize("policy", ["kvzap", "kvzap_linear"])
+def test_threshold_mode_serves_the_rules_keep_set(compacting_dense, demo_paths, policy):
+    server, ref = compacting_dense
+    context = ref.encode(text(320, seed=5700 + len(policy)))
+    n = len(context)
+    parent = compact(server, context, policy, 1.0, allocation=None)
+    outcome = parent["meta_info"]["kvx"][-1]
+    entry = stored(server, n, policy, 1.0)
+    assert entry["allocation"] == "threshold"
+    served = served_keep_set(server, n, policy, 1.0)
+    rule = get_policy(policy)(model_path=demo_paths["tiny-llama"])  # the manifest's tau, window 128
+    offline = choose_keep_set(rule, context_signals(ref, context, signals=CaptureSpec(hidden_states=2)), 1.0)
+    for got, want in zip(served, offline.positions):
+        for g, w in zip(got, want):
+            assert abs(len(g) - len(w)) <= 2 and (g[-128:] == torch.arange(n - 128, n)).all()
+        assert overlap(got, want) >= 0.99
+    kept = sum(len(h) for layer in served for h in layer) / (n * len(served) * 2)
+    assert 0.2 < kept < 0.95  # the threshold dropped something, and kept more than the window
+    assert outcome["compacted"] is True and outcome["kept_fraction"] == round(entry["slots"] / n, 6)
+    assert abs(outcome["kept_fraction"] - kept) < 0.02  # the folded slots hold what the heads keep
+    check_child(server, ref, context, served, policy, 1.0)
+
+
+def test_budget_mode_keeps_the_fraction_under_one_threshold(compacting_dense, demo_paths):
+    server, ref = compacting_dense
+    context = ref.encode(text(300, seed=5710))
+    n = len(context)
+    compact(server, context, "kvzap", 0.3, allocation="global")
+    served = served_keep_set(server, n, "kvzap", 0.3)
+    assert sum(len(h) for layer in served for h in layer) == 4 * 2 * round(0.3 * n)
+    rule = get_policy("kvzap")(model_path=demo_paths["tiny-llama"])
+    offline = choose_keep_set(rule, context_signals(ref, context, signals=CaptureSpec(hidden_states=2)), 0.3,
+                              allocation="global")
+    assert all(overlap(got, want) >= 0.98 for got, want in zip(served, offline.positions))
+    check_child(server, ref, context, served, "kvzap", 0.3, allocation="global")
+
+
+def test_kvzip_plus_passes_score_as_the_hf_reference(compacting_dense):
+    """KVzip+ through the server's own passes (||h_j|| recorded by the hidden-state signal, ||W_O^h v_i||
+    from the checkpoint's o_proj as Gram matrices) keeps what HF's pass (o_proj applied head by head) keeps."""
+    server, ref = compacting_dense
+    context = ref.encode(text(220, seed=5720))
+    n = len(context)
+    compact(server, context, "kvzip_plus", 0.2)
+    deadline = time.monotonic() + 120
+    while server.stats()["second_passes_pending"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    served = served_keep_set(server, n, "kvzip_plus", 0.2)
+    signals = context_signals(ref, context)
+    signals.reconstruction_attention = reconstruction_attention(ref, context, plus=True)
+    offline = choose_keep_set(get_policy("kvzip_plus")(), signals, 0.2)
+    for got, want in zip(served, offline.positions):
+        assert all(abs(len(g) - len(w)) <= 2 for g, w in zip(got, want))
+        assert overlap(got, want) >= 0.95
+    assert sum(len(h) for layer in served for h in layer) == sum(map(sum, offline.kept_per_head))
+    check_child(server, ref, context, served, "kvzip_plus", 0.2)
