@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import os
 from dataclasses import asdict, field, make_dataclass, replace
 from pathlib import Path
@@ -18,6 +20,8 @@ from sglang_kvx.checkpoint import text_config
 from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
+
+logger = logging.getLogger(__name__)
 
 GATED_MODEL_TYPE = "kvx_gated_gpt"  # the learned-gate family (models/gated.py takes its name from here)
 GATED_ATTENTION_BACKEND = "kvx_gated"  # adapter/gated_backend.py
@@ -109,6 +113,22 @@ def traits_of_config(cfg: dict[str, Any]) -> ModelTraits:
     )
 
 
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
+
+
+def kv_bytes_per_token(model_path: str | None, traits: ModelTraits | None, dtype_bytes: float | None) -> int | None:
+    """One token's keys and values over every attention layer (None: unknown); ``dtype_bytes`` None: the
+    checkpoint's own dtype."""
+    if traits is None or not model_path:
+        return None
+    cfg = text_config(json.loads((Path(model_path) / "config.json").read_text()))
+    dtype_bytes = dtype_bytes or DTYPE_BYTES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or ""))
+    if not dtype_bytes:
+        return None
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))
+    return int(2 * traits.num_attention_layers * traits.num_kv_heads * head_dim * dtype_bytes) or None
+
+
 def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     """What the model offers, from its ``config.json``; None when there is no local config to read."""
     config_file = Path(model_path) / "config.json"
@@ -151,9 +171,11 @@ def import_policy_modules(modules: str) -> None:
 
 
 def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model_path: str | None = None, *,
-                 tp_size: int = 1, page_size: int = 1, attention_backend: str | None = None, **flags: Any) -> KvxConfig:
+                 tp_size: int = 1, page_size: int = 1, attention_backend: str | None = None,
+                 context_tokens: int | None = None, kv_dtype_bytes: float | None = None, **flags: Any) -> KvxConfig:
     """Validate raw flag values (the others of ``schema.FLAG_SETTINGS`` by name, as strings or values) and
-    the server's facts (the model, when its config is local) into a KvxConfig."""
+    the server's facts (the model, when its config is local; ``context_tokens``, the longest prompt the
+    server takes; ``kv_dtype_bytes``, a KV value's size) into a KvxConfig."""
     by_name = {s.name: s for s in FLAG_SETTINGS}
     unknown = sorted(set(flags) - set(by_name))
     if unknown:
@@ -185,10 +207,11 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
         raise KvxConfigError(f"block-sparse attention (--kvx-sparse-attention): not supported with --page-size "
                              f"{page_size} yet; serve with --page-size 1")
     check_context_dir(config, tp_size)
+    traits = model_traits(model_path) if model_path else None
+    check_tier_capacities(config, context_tokens, kv_bytes_per_token(model_path, traits, kv_dtype_bytes))
     if model_path and str(model_path).startswith(("/", "./", "../", "~")) and not Path(model_path).expanduser().exists():
         # A hub id cannot look like this; say so before SGLang asks the hub about it.
         raise KvxConfigError(f"--model-path {model_path} does not exist")
-    traits = model_traits(model_path) if model_path else None
     # The checks a request's own settings meet too (checks.py), against this launch's facts.
     facts = ServingFacts(tp_size=tp_size, page_size=page_size, sparse_budget=config.sparse_budget,
                          model_signals=traits.signals if traits is not None else None,
@@ -225,10 +248,13 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
 
 
 def check_context_dir(config: KvxConfig, tp_size: int) -> None:
-    """The disk tier's flags together: a directory (or one that can be made) for the others to act on."""
+    """The disk tier's flags together: a directory of its own (or one that can be made) that this server
+    can write and fsync, for the others to act on."""
+    from sglang_kvx.store.context_file import MARKER, MARKER_TEXT, foreign_names, read_secret, write_atomic
+
     defaults = {s.name: s.from_flag(s.default) for s in FLAG_SETTINGS}
     if not config.context_dir:
-        for name in ("disk_store_gb", "persist_contexts"):
+        for name in ("disk_store_gb", "persist_contexts", "context_secret_file"):
             if getattr(config, name) != defaults[name]:
                 raise KvxConfigError(f"--kvx-{name.replace('_', '-')} needs --kvx-context-dir (the directory the "
                                      f"disk tier writes to)")
@@ -245,6 +271,47 @@ def check_context_dir(config: KvxConfig, tp_size: int) -> None:
                              f"head shard of a context, and the ranks do not agree on files yet")
     if config.disk_store_gb == 0:
         raise KvxConfigError("--kvx-disk-store-gb 0 leaves the disk tier no room; drop --kvx-context-dir to turn it off")
+    try:
+        read_secret(config.context_secret_file)
+    except ValueError as exc:
+        raise KvxConfigError(str(exc)) from None
+    try:
+        foreign = foreign_names(path) if path.is_dir() and not (path / MARKER).exists() else []
+    except OSError as exc:
+        raise KvxConfigError(f"--kvx-context-dir {_short(config.context_dir)}: cannot list it ({exc.strerror})") from None
+    if foreign:
+        # The server removes files of its own there; it must never mistake an operator's, or a model's, for one.
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise KvxConfigError(f"--kvx-context-dir {_short(config.context_dir)} holds files this server did not write "
+                             f"({listed}); give it an empty directory of its own (it is created if missing)")
+    try:  # the probe: the directory made, the marker written, fsynced and renamed into place
+        path.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, MARKER, MARKER_TEXT.encode())
+    except OSError as exc:
+        if config.persist_contexts:
+            raise KvxConfigError(f"--kvx-persist-contexts on: --kvx-context-dir {_short(config.context_dir)} cannot be "
+                                 f"written ({exc.strerror})") from None
+        logger.warning("sglang_kvx: --kvx-context-dir %s cannot be written (%s): the disk tier only reads it",
+                       config.context_dir, exc.strerror)
+
+
+def check_tier_capacities(config: KvxConfig, context_tokens: int | None, kv_bytes_per_token: int | None) -> None:
+    """Tiers that cannot hold one context of the longest this server takes (``context_tokens``) at its
+    keep fraction, or host memory beyond the machine's: refused at launch instead of dropping every
+    context, or swapping, later. Unknown sizes (no local model config) are not checked."""
+    if config.host_store_gb:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if config.host_store_gb * 1e9 > physical:
+            raise KvxConfigError(f"--kvx-host-store-gb {config.host_store_gb:g} is more than this machine's memory "
+                                 f"({physical / 1e9:.1f} GB)")
+    if not (context_tokens and kv_bytes_per_token and get_policy(config.policy).compacts):
+        return
+    one = math.ceil(context_tokens * config.keep_fraction) * kv_bytes_per_token
+    for name, gb in (("host_store_gb", config.host_store_gb), ("disk_store_gb", config.disk_store_gb if config.context_dir else 0)):
+        if gb and gb * 1e9 < one:
+            raise KvxConfigError(f"--kvx-{name.replace('_', '-')} {gb:g} cannot hold one compacted context: "
+                                 f"{context_tokens} tokens at --kvx-keep-fraction {config.keep_fraction:g} take "
+                                 f"{one / 1e9:.3g} GB; give it at least that, or drop the flag")
 
 
 def read_gate_tau(model_path: str | os.PathLike) -> float | None:

@@ -31,7 +31,7 @@ import sys
 from typing import Any
 
 from sglang_kvx.adapter.server_config import attach_config, config_of, on_cpu_platform
-from sglang_kvx.config import KvxConfigError, add_cli_args, build_config
+from sglang_kvx.config import DTYPE_BYTES, KvxConfigError, add_cli_args, build_config
 from sglang_kvx.schema import FLAG_SETTINGS
 
 logger = logging.getLogger(__name__)
@@ -69,12 +69,29 @@ def _after_add_cli_args(_result: Any, parser) -> None:
     add_cli_args(parser)
 
 
+def _context_tokens(server_args) -> int | None:
+    """The longest prompt this server takes: its context length, within its pool when that is set."""
+    limits = [int(v) for v in (server_args.context_length, server_args.max_total_tokens) if v]
+    return min(limits) if limits else None
+
+
+def _kv_dtype_bytes(server_args) -> float | None:
+    """A KV value's bytes as the pool will hold it (None: decided from weights SGLang has not read yet)."""
+    kv = str(server_args.kv_cache_dtype or "auto")
+    if kv.startswith("fp8") or kv == "int8":
+        return 1
+    if kv.startswith("fp4"):
+        return 0.5
+    return DTYPE_BYTES.get(kv if kv != "auto" else str(server_args.dtype or "auto"))  # None: the checkpoint's dtype
+
+
 def _around_from_cli_args(original, cls, args, *rest, **kwargs):
     server_args = original(cls, args, *rest, **kwargs)
     try:
         config = build_config(
             model_path=getattr(args, "model_path", None), tp_size=int(server_args.tp_size or 1),
             page_size=int(server_args.page_size or 1), attention_backend=getattr(args, "attention_backend", None),
+            context_tokens=_context_tokens(server_args), kv_dtype_bytes=_kv_dtype_bytes(server_args),
             **{setting.name: getattr(args, setting.dest, setting.default) for setting in FLAG_SETTINGS},
         )
     except KvxConfigError as exc:
