@@ -93,3 +93,40 @@ def test_kvzip_plus_passes_score_as_the_hf_reference(compacting_dense):
         assert overlap(got, want) >= 0.95
     assert sum(len(h) for layer in served for h in layer) == sum(map(sum, offline.kept_per_head))
     check_child(server, ref, context, served, "kvzip_plus", 0.2)
+
+
+@pytest.mark.parametrize("step", ["kvzap", "kvzap_linear"])
+def test_decode_step_is_the_oracles_rule_and_gives_slots_back(compacting_dense, demo_paths, step):
+    """Each token scored when written, decided once when it leaves the window, dropped entries masked per
+    (layer, KV head): tokens and log-probs equal the HF oracle applying the same rule step by step, and
+    the dropped entries are the rule's. The row's own decided stretch was re-folded (each head's kept
+    entries into ceil(kept / (L * H)) fresh slots) and its own slots went back to the pool while it ran."""
+    from sglang_kvx.decode.kvzap import FOLD_EVERY, surrogate_for
+    from sglang_kvx.reference.kvzap import kvzap_generate
+
+    server, ref = compacting_dense
+    prompt = ref.encode(text(40, seed=5730 + len(step)))
+    window, steps = 32, 200
+    surrogate = surrogate_for(demo_paths["tiny-llama"], "mlp" if step == "kvzap" else "linear")
+    threshold = surrogate.manifest["threshold"]
+    body = generate(server, prompt, steps, sampling={"custom_params": {"kvx": {"decode": {"step": step, "window": window}}}})
+    tokens, logprobs, rule = kvzap_generate(ref, prompt, steps, surrogate, threshold, window)
+    assert body["output_ids"] == tokens
+    served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(served_lp, logprobs)) <= 1e-4
+    full_lp = ref.prompt_logprobs(prompt + tokens)[len(prompt) - 1 :]
+    assert max(abs(a - b) for a, b in zip(served_lp, full_lp)) > 1e-4  # the drops changed what the model read
+    report = [e for e in body["meta_info"]["kvx"] if e.get("decode") == step][-1]
+    dropped = sum(int(d.sum()) for d in rule["dropped"])
+    assert report["dropped_entries"] == dropped > 0 and report["threshold"] == threshold
+    # The fold: the own stretch [start, end) of decided positions, re-folded every FOLD_EVERY of them.
+    start, end = report["folded"]
+    decided = rule["dropped"][0].shape[1] + 1 - window  # the last step read seq_len keys; < seq_len - window decided
+    assert start <= len(prompt) and end == start + FOLD_EVERY * ((decided - start) // FOLD_EVERY) and end > start
+    kept = sum(int((~d[:, start:end]).sum()) for d in rule["dropped"])
+    cells = len(rule["dropped"]) * rule["dropped"][0].shape[0]
+    assert report["fold_slots"] == -(-kept // cells)
+    every = torch.stack([d.all(dim=0) for d in rule["dropped"]]).all(dim=0)  # positions no layer or head kept
+    assert report["own_slots_given_back"] == (end - start) + int(every[end:decided].sum())
+    assert report["slots_freed"] == report["own_slots_given_back"] - report["fold_slots"] > 0
+    assert server.stats()["kvzap_slots_freed"] >= report["slots_freed"]

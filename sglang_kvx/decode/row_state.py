@@ -93,6 +93,24 @@ class RowState:
     def after_attention(self, layer: int, seq_len: int, weights: Any, keys_of: KeysOf, decode: bool) -> None:
         pass
 
+    @property
+    def masks(self) -> bool:
+        """Whether this state hides entries of its row by its own ``cells`` (its batches run eagerly)."""
+        return False
+
+    def head_cells(self, row: int, layer: int, seq_len: int) -> Any:
+        """What each KV head reads in ``layer`` at a decode step with ``seq_len`` keys, before the current
+        token, when it is not the plain row and span: per head a list of (attention layer of a buffer, KV
+        head there, pool slots) in rank order (KVzap's per-head drops and folds); None: the plain row.
+        The runner serves them as cells (``store.PrefixCells``) and reads the current token from the row."""
+        return None
+
+    def freed_positions(self, owned_len: int) -> Any:
+        """Positions of the row (a [owned_len] bool tensor) whose slots this state gave back to the pool
+        itself, one by one (KVzap: an entry every layer and KV head dropped); None: none. The runner frees
+        the rest of the row's own slots when the request leaves."""
+        return None
+
     def attention_input(self, layer: int, positions: range, hidden: Any) -> None:
         """Steps that ``reads_attention_inputs``: the input hidden states [t, hidden] of attention layer
         ``layer`` for the row's tokens at ``positions`` (a prefill chunk, or the decode step's one token)."""

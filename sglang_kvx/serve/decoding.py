@@ -268,25 +268,12 @@ class DecodeRunner:
                     contexts: dict[int, tuple[CompactedContext, PrefixCells | None]] | None = None) -> dict[int, PrefixCells]:
         """Batch index -> what this layer reads, for decode rows that hide something this step.
         ``contexts``: batch index -> (the compacted context a child reads, its cells in this layer)."""
-        found = {}
-        for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
-            state = self.rows.get(row)
-            if state is None:
-                continue
-            if contexts and i in contexts:
-                context, cells = contexts[i]
-                local = child_local_cells(state.span, context, layer, cells, self.pool.layer_id(layer),
-                                          self.pool.row(row, seq_len), seq_len)
-                if local is not None:
-                    found[i] = local
-                continue
-            start, end = state.hidden(layer, seq_len)
-            if end > start:
-                found[i] = PrefixCells(num_slots=end, own=start)
-        return found
+        return _masked_rows(self, layer, rows, seq_lens, contexts)
 
     def any_hidden(self) -> bool:
-        return any(not s.span.full or any(e > b for b, e in s.dropped) for s in self.rows.values())
+        """Whether some row hides part of its history (a span, a drop, its own per-head cells): such
+        batches run eagerly (the adapter declines captured graphs for them)."""
+        return any(not s.span.full or any(e > b for b, e in s.dropped) or s.own.masks for s in self.rows.values())
 
     # --- leaving -----------------------------------------------------------------------
 
@@ -297,11 +284,12 @@ class DecodeRunner:
         state = self.rows.pop(row, None)
         if state is not None:
             self._contain(state, lambda: state.own.release(row))
-        if state is None or state.freed[1] <= state.freed[0]:
+        own_freed = state.own.freed_positions(owned_len) if state is not None else None  # [owned_len] bool or None
+        if state is None or (state.freed[1] <= state.freed[0] and own_freed is None):
             return None
         owned_from = state.request.owned_from
         slots = self.pool.row(row, owned_len)
-        keep = torch.ones(owned_len, dtype=torch.bool)
+        keep = torch.ones(owned_len, dtype=torch.bool) if own_freed is None else ~own_freed.cpu()
         keep[:owned_from] = False
         keep[state.freed[0] : state.freed[1]] = False
         live = slots[keep.to(slots.device)]
@@ -311,6 +299,33 @@ class DecodeRunner:
 
     def forget_all(self) -> None:
         self.rows.clear()
+
+
+def _masked_rows(runner: DecodeRunner, layer: int, rows: list[int], seq_lens: list[int],
+                 contexts: dict[int, tuple[CompactedContext, PrefixCells | None]] | None) -> dict[int, PrefixCells]:
+    """``DecodeRunner.masked_rows``: a child's span over its compacted context, a row state's own cells
+    (per-head masks: KVzap's drops), else the row's one hidden interval."""
+    found = {}
+    for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
+        state = runner.rows.get(row)
+        if state is None:
+            continue
+        if contexts and i in contexts:
+            context, cells = contexts[i]
+            local = child_local_cells(state.span, context, layer, cells, runner.pool.layer_id(layer),
+                                      runner.pool.row(row, seq_len), seq_len)
+            if local is not None:
+                found[i] = local
+            continue
+        heads = None if state.failed else runner._contain(state, lambda: state.own.head_cells(row, layer, seq_len))
+        if heads is not None:  # each KV head reads its own cells; the current token comes from the row
+            found[i] = PrefixCells(num_slots=seq_len - 1, own=0, head_own=(0,) * len(heads), head_borrowed=tuple(
+                tuple((runner.pool.layer_id(buf), h, at) for buf, h, at in pieces) for pieces in heads))
+            continue
+        start, end = state.hidden(layer, seq_len)
+        if end > start:
+            found[i] = PrefixCells(num_slots=end, own=start)
+    return found
 
 
 def child_local_cells(span: Span, context: CompactedContext, layer: int, cells: PrefixCells | None, layer_id: int,
