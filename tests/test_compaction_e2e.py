@@ -320,6 +320,21 @@ def test_one_tenant_cannot_evict_another_tenants_reserved_context(compacting):
     assert body["output_ids"] == ref.greedy(a_contexts[0] + question, 6)
 
 
+def disk_settled(server, timeout: float = 60.0, **expect) -> dict:
+    """The server's /kvx/stats once its disk tier's worker has nothing queued (writes, reads) and every
+    ``expect``ed count holds (e.g. ``disk_contexts=1``: files another server or the test wrote are
+    found by the worker's scan); the disk tier's I/O runs off the scheduler thread, so a file written
+    or put back is seen a moment later, not at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if (not stats.get("disk_writes_queued") and not stats.get("disk_reads_queued")
+                and all(stats.get(key) == value for key, value in expect.items())):
+            return stats
+        assert time.monotonic() < deadline, {key: stats.get(key) for key in ("disk_writes_queued", "disk_reads_queued", *expect)}
+        time.sleep(0.05)
+
+
 def scrape(server) -> dict[str, float]:
     """sglang:kvx_* samples of SGLang's /metrics (labels dropped: one scheduler here)."""
     found: dict[str, float] = {}

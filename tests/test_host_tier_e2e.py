@@ -15,7 +15,8 @@ import pytest
 import shutil
 
 from server_pool import TIERED_DIR, TIERED_POOL
-from test_compaction_e2e import ask, compact, generate, kvx, scrape, served_keep_set, stored, text
+from sglang_kvx.store.context_file import MARKER
+from test_compaction_e2e import ask, compact, disk_settled, generate, kvx, scrape, served_keep_set, stored, text
 
 pytestmark = pytest.mark.slow
 
@@ -121,14 +122,15 @@ def test_a_persisted_context_comes_back_from_disk_token_identical(tiered, tmp_pa
     compact(server, context, POLICY, P)
     keep = served_keep_set(server, len(context), POLICY, P)
     before = child(server, context, question, None)
-    written = server.stats()
-    assert written["disk_files_written"] - start["disk_files_written"] == 1 and written["disk_contexts"] == 1
+    written = disk_settled(server, disk_contexts=1)  # written by the disk tier's worker, off the scheduler thread
+    assert written["disk_files_written"] - start["disk_files_written"] == 1
     saved = tmp_path / "saved"
     shutil.copytree(TIERED_DIR, saved)
     server.flush()
-    assert server.stats()["disk_contexts"] == 0 and not any(TIERED_DIR.iterdir())
+    assert server.stats()["disk_contexts"] == 0 and [p.name for p in TIERED_DIR.iterdir()] == [MARKER]
     for file in saved.iterdir():
         shutil.copy2(file, TIERED_DIR / file.name)
+    disk_settled(server, disk_contexts=1)  # the worker's scan found the files put back
     after = child(server, context, question, None)
     outcome = after["meta_info"]["kvx"][-1]
     assert outcome["child"] is True and outcome["restored_from"] == "disk", outcome

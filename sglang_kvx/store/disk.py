@@ -34,7 +34,7 @@ from sglang_kvx.store.tiers import TieredContext
 
 logger = logging.getLogger(__name__)
 
-SCAN_POLL_S = 0.25  # the worker looks at the directory's mtime this often when it has nothing else to do
+SCAN_POLL_S = 0.1  # the worker looks at the directory's mtime this often when it has nothing else to do
 READ_RESULT_TTL_S = 60.0  # a read nobody collected (its child went away) is dropped after this
 _PENDING = object()
 
