@@ -177,6 +177,8 @@ def test_no_malformed_request_crashes_leaks_or_changes_other_answers(hostile):
     check.send("kvzip, protected prefix beyond the context", "/generate",
                {"input_ids": context, "sampling_params": {"max_new_tokens": 0, "custom_params": {"kvx": {
                    "policy": "kvzip", "keep_fraction": 0.5, "protected_prefix_len": 4000}}}})
+    check.send("decode step on a generating parent", "/generate", {"input_ids": context, "sampling_params": {
+        "max_new_tokens": 3, "custom_params": {"kvx": {"compact": True, "decode": {"step": "streamingllm"}}}}})
     check.send("decode step on a child", "/generate", {"input_ids": check.context + check.question, "sampling_params": {
         "max_new_tokens": 2, "custom_params": {"kvx": {"policy": "knorm", "keep_fraction": 0.5,
                                                        "decode": {"step": "streamingllm"}}}}})
@@ -197,3 +199,24 @@ def test_no_malformed_request_crashes_leaks_or_changes_other_answers(hostile):
     server.flush()
     stats = server.stats()
     assert stats["kv_pool_free_tokens"] == POOL and stats["store_slots"] == 0
+
+
+@pytest.mark.parametrize("kind,model", [("plain", "tiny-llama"), ("gated_cell", "sigmoid-rope-none")])
+def test_a_field_that_would_do_nothing_on_this_server_is_refused_by_name(shared_server, kind, model):
+    """Issue #53 item 9: on a server without a policy -- the extension idle (plain) or running decode
+    steps only (a dense learned-gate cell) -- asking to compact, or for a compaction setting without
+    naming a policy, is a 400 naming the field, never a request served plain without a word."""
+    server = shared_server(kind, model)
+    ids = list(range(5, 60))
+    for kvx_fields, field in (({"compact": True}, "compact"), ({"keep_fraction": 0.5}, "keep_fraction"),
+                              ({"allocation": "flat"}, "allocation")):
+        for max_new in (0, 2):
+            response = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+                "max_new_tokens": max_new, "temperature": 0, "custom_params": {"kvx": kvx_fields}}}, timeout=120)
+            assert response.status_code == 400, (kind, kvx_fields, response.status_code, response.text[:300])
+            assert f"custom_params.kvx.{field}" in response.text, response.text[:300]
+    # What asks for nothing is served: compact false, and a tenant tag.
+    for kvx_fields in ({"compact": False}, {"tenant": "t1"}):
+        response = requests.post(server.url + "/generate", json={"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0, "custom_params": {"kvx": kvx_fields}}}, timeout=120)
+        assert response.status_code == 200, (kind, kvx_fields, response.text[:300])

@@ -12,7 +12,11 @@ extension does nothing (launched without its flags), which would otherwise ignor
 from __future__ import annotations
 
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX
+from sglang_kvx.schema import FIELD_SETTINGS
 from sglang_kvx.settings import GENERATING_MARK, SettingsError, parse_request_fields
+
+# Request fields that ask the extension for nothing on their own (a tenant tags whose contexts are whose).
+PASSIVE_FIELDS = ("tenant",)
 
 
 def register_door() -> None:
@@ -65,8 +69,9 @@ def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates:
             fields = parse_request_fields(custom["kvx"])
         except SettingsError as exc:
             return str(exc)
-        asked = [name for name in ("policy", "keep_fraction", "protected_prefix_len", "allocation", "decode")
-                 if getattr(fields, name) is not None]
+        # Every field asking for something (``compact: false`` asks for what such a server does anyway).
+        asked = [s.name for s in FIELD_SETTINGS
+                 if s.name not in PASSIVE_FIELDS and getattr(fields, s.name) not in (None, False)]
         if asked and not extension_active:
             return (f"custom_params.kvx.{asked[0]}: this server runs without the KV extension, which would ignore it; "
                     f"launch it with --kvx-policy NAME or --kvx-decode-steps on")

@@ -33,7 +33,7 @@ COUNTERS = {
     "disk_restore_seconds": ("sglang:kvx_disk_restore_seconds_total", "Seconds spent reading contexts back from disk."),
     "disk_files_written": ("sglang:kvx_disk_files_written_total", "Context files written (evicted or persisted contexts)."),
     "disk_write_failures": ("sglang:kvx_disk_write_failures_total", "Context writes that failed (full disk, unwritable directory)."),
-    "disk_files_refused": ("sglang:kvx_disk_files_refused_total", "Context files refused (torn, corrupted, another model's)."),
+    "disk_files_refused": ("sglang:kvx_disk_files_refused_total", "Context files refused (torn, corrupted, hostile, another model's)."),
     "restore_failures": ("sglang:kvx_restore_failures_total", "Children served by a full prefill: their context could not come back from a tier."),
     "oda_routed_steps": ("sglang:kvx_oda_routed_steps_total", "Decode steps On-Demand Attention routed."),
     "oda_full_steps": ("sglang:kvx_oda_full_steps_total", "Routed steps re-run with Full attention."),
@@ -46,6 +46,8 @@ GAUGES = {
     "host_bytes": ("sglang:kvx_host_bytes", "Bytes of the compacted contexts held in host memory."),
     "disk_contexts": ("sglang:kvx_disk_contexts", "This model's compacted contexts in the disk tier's directory."),
     "disk_bytes": ("sglang:kvx_disk_bytes", "Bytes of this model's context files in the disk tier's directory."),
+    "disk_writes_queued": ("sglang:kvx_disk_writes_queued", "Context writes queued for the disk tier's worker thread."),
+    "disk_reads_queued": ("sglang:kvx_disk_reads_queued", "Context reads queued for the disk tier's worker (children waiting)."),
     "second_passes_pending": ("sglang:kvx_second_passes_pending", "Second passes (KVzip's reconstruction) not yet run."),
 }
 SCORING = ("sglang:kvx_scoring_seconds", "Time to score, allocate and select one context's keep-set.")
