@@ -237,10 +237,16 @@ class Admission:
             return self._restore_failed(state, self.tiering.failed(
                 f"no room in the KV pool for the {entry.num_slots} slots of the {entry.n}-token context held in the "
                 f"{held.tier.name} tier and its child ({never})"))
-        if budget.room() < need:  # requests running or admitted this round hold the room: free once they end
-            self.tiering.restore_waits += 1
-            state.plan = wait(WAIT_ROOM)
-            return
+        room = budget.room()
+        if room < need:
+            if self.eviction.running_slots() > 0 or room < self.pool.room():
+                # Requests running, or admitted before it this round, hold the room: free once they end.
+                self.tiering.restore_waits += 1
+                state.plan = wait(WAIT_ROOM)
+                return
+            return self._restore_failed(state, self.tiering.failed(  # nothing will free more: never wait for it
+                f"no room in the round's budget for the {entry.num_slots} slots of the {entry.n}-token context held "
+                f"in the {held.tier.name} tier and its child ({room} of {need})"))
         context, problem = self.tiering.restore(held, entry)
         if context is None:
             if problem is None:

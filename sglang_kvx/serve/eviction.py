@@ -58,7 +58,7 @@ class StoreEviction:
         room = self.pool.room()
         if room >= tokens:
             return None
-        running = self.pool.total - room - self.held_slots()  # held by requests now in flight
+        running = self.running_slots(room)
         if running > 0 and room + running >= tokens:
             self.deferred += 1
             return None
@@ -75,6 +75,10 @@ class StoreEviction:
             room = self.pool.room()
             logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
 
+    def running_slots(self, room: int | None = None) -> int:
+        """Slots held by requests now in flight (neither free, nor evictable, nor the store's)."""
+        return self.pool.total - (self.pool.room() if room is None else room) - self.held_slots()
+
     def evict(self, victim: CompactedContext) -> None:
         """Out of the pool: its kept entries are copied to the tiers below (when on) before its slots are freed."""
         self.tiering.offload(victim)
@@ -86,7 +90,7 @@ class StoreEviction:
                     tenant: str | None) -> str | None:
         """Why ``tokens`` slots will never be free for this request (None: they will, once the running
         requests end and the children in flight release their contexts)."""
-        running = self.pool.total - room - self.held_slots()
+        running = self.running_slots(room)
         mine = {id(c) for c in self.store.contexts.values()
                 if c is not keep and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))}
         if room + running + sum(c.num_slots for c in self.store.contexts.values() if id(c) in mine) >= tokens:
