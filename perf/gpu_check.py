@@ -276,8 +276,22 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
     pool = DevicePool(layers, 2 * n + 1, kv_heads, dim, device, seed=12)  # the context's slots, then the rank slots
     gdn_ids = list(range(gdn_layers))
     attention_ids = [gdn_layers + i for i in range(layers)]
-    policies = {name: GateSightPolicy(estimator=estimator, impl="torch") if name == "gatesight" else get_policy(name)()
-                for name in servable_policy_names()}
+    hidden = [torch.randn(n, heads * dim, generator=g).to(device) for _ in range(layers)]  # attention inputs (KVzap)
+    plus_norms = [(torch.rand(heads, n, generator=g).to(device) + 0.5, torch.rand(48, generator=g).to(device) + 0.5)
+                  for _ in range(layers)]  # KVzip+'s ||W_O^h v_i|| and ||h_j|| (random, positive)
+
+    def kvzap(name: str):
+        from sglang_kvx.policies.kvzap import KVzapSurrogate
+
+        width, d = max(1, heads * dim // 8), heads * dim
+        kind = "linear" if name == "kvzap_linear" else "mlp"
+        layer = (lambda: {"weight": torch.randn(kv_heads, d, generator=g) / d ** 0.5, "bias": torch.zeros(kv_heads)}) \
+            if kind == "linear" else (lambda: {"w1": torch.randn(width, d, generator=g) / d ** 0.5, "b1": torch.zeros(width),
+                                                "w2": torch.randn(kv_heads, width, generator=g) / width ** 0.5, "b2": torch.zeros(kv_heads)})
+        return get_policy(name)(surrogate=KVzapSurrogate(kind, [layer() for _ in range(layers)]), threshold=0.0, window=16)
+
+    policies = {name: GateSightPolicy(estimator=estimator, impl="torch") if name == "gatesight" else
+                kvzap(name) if name.startswith("kvzap") else get_policy(name)() for name in servable_policy_names()}
     compactor = Compactor(pool, policies.__getitem__, heads, attention_ids, gdn_ids, per_layer_lengths=True)
     recorder = SignalRecorder(pool, heads, lambda: inv_freq.to(device), gdn_ids, attention_ids)
     keeps, gatesight_s = {}, 0.0
@@ -294,6 +308,7 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
                 beta, decay, v = (t[start : start + length] for t in gdn[i])
                 recorder.gdn_signals(layer_id, 0, beta, decay, v)
             for layer in range(layers):
+                recorder.attention_input(layer, hidden[layer][start : start + length], batch)
                 recorder.attention(layer, queries[layer][start : start + length], batch, heads, dim, dim ** -0.5)
                 recorder.output_gate(layer, gates[layer][start : start + length], batch, heads)
         recording = recorder.take(0)
@@ -301,12 +316,13 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
         def fill(signals, recording=recording, name=name) -> None:
             if recording is not None:
                 recording.fill(signals)
-            if name == "kvzip":
+            if name in ("kvzip", "kvzip_plus"):
                 signals.reconstruction_attention = []
                 for layer in range(layers):
                     total = torch.zeros(kv_heads, n, device=device)
                     keys = torch.cat([pool.keys[layer][pool.slots[:n]], recon_keys[layer]])
-                    accumulate_reconstruction_attention(total, recon[layer], keys.transpose(0, 1), 0, n)
+                    plus = plus_norms[layer] if name == "kvzip_plus" else None
+                    accumulate_reconstruction_attention(total, recon[layer], keys.transpose(0, 1), 0, n, plus=plus)
                     signals.reconstruction_attention.append(total)
 
         if device.type == "cuda":

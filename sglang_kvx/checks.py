@@ -67,9 +67,13 @@ def decode_problem(step: str | None, facts: ServingFacts, *, label: str, step_la
     if facts.page_size > 1:
         return (f"{label}: decode-time steps are not supported with --page-size {facts.page_size} yet (they free and "
                 f"hold slots one at a time); serve with --page-size 1")
-    if step is None or facts.model_signals is None:
+    if step is None:
         return None
     step_cls = DECODE_STEPS[step]
+    if facts.tp_size > 1 and step_cls.tp_unsafe:
+        return f"{step_label or label} is not supported with --tp-size {facts.tp_size} yet: {step_cls.tp_unsafe}"
+    if facts.model_signals is None:
+        return None
     missing = sorted(step_cls.needs - facts.model_signals)
     if missing:
         return (f"{step_label or label} needs {', '.join(missing)}, which {facts.model_name} does not provide "

@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_kvx.checkpoint import text_config
 from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
+from sglang_kvx.decode import DECODE_STEPS
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
 
@@ -335,6 +336,8 @@ def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str
                          model_name=traits.architecture if traits is not None else "this model")
     if problem := decode_problem(settings["step"], facts, label=f"--kvx-decode {settings['step']}"):
         raise KvxConfigError(problem)
+    if traits is not None and (problem := DECODE_STEPS[settings["step"]].serving_problem(config.model_path)):
+        raise KvxConfigError(f"--kvx-decode {settings['step']}: {problem}")  # a resource trained for another model
     options = with_checkpoint_tau(settings["step"], settings, config.gate_tau)
     if options is None:
         raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "

@@ -29,7 +29,8 @@ def our_error_lines(stderr: str) -> list[str]:
 @pytest.mark.parametrize(
     "flags,expected",
     [
-        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: gatesight, h2o, keydiff, knorm, kvzip, none, pyramidkv, random, snapkv, streamingllm, triattention"),
+        (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: gatesight, h2o, keydiff, knorm, kvzap, kvzap_linear, kvzip, kvzip_plus, none, pyramidkv, random, "
+         "snapkv, streamingllm, triattention"),
         (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be in (0, 1], got 0"),
         (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),

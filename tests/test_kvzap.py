@@ -132,3 +132,42 @@ def test_threshold_allocation_needs_a_threshold(references, context):
     signals = context_signals(ref, context)
     with pytest.raises(ValueError, match="needs a policy that gives a threshold"):
         choose_keep_set(get_policy("keydiff")(), signals, 0.5, allocation="threshold")
+
+
+def test_a_tensor_parallel_rank_scores_its_own_heads(references, context):
+    """Each rank holds the whole hidden states and keeps its own KV heads: the threshold decides each
+    head alone, so a rank's keep-set is the whole model's for its heads."""
+    import copy
+
+    ref = references["tiny-llama"]
+    policy = get_policy("kvzap")(surrogate=random_surrogate(ref, "mlp", seed=5), threshold=0.0, window=16)
+    signals = context_signals(ref, context, signals=CaptureSpec(hidden_states=2))
+    whole = choose_keep_set(policy, signals, 1.0)
+    rank = copy.copy(signals)
+    rank.num_kv_heads, rank.kv_heads = 1, (1, 2)
+    rank.keys = [k[1:] for k in signals.keys]
+    rank.values = [v[1:] for v in signals.values]
+    own = choose_keep_set(policy, rank, 1.0)
+    for layer in range(whole.num_layers):
+        assert torch.equal(own.mask(layer), whole.mask(layer)[1:])
+    rank.kv_heads = None  # a context that does not say which heads it holds is refused, not misread
+    with pytest.raises(ValueError, match="surrogate covers 4 attention layers x 2 KV heads"):
+        policy.score(rank, 0)
+
+
+def test_a_server_without_a_surrogate_for_its_model_refuses_by_name(demo_paths):
+    """At launch (--kvx-policy kvzap, --kvx-decode kvzap) and per decode request (serving_problem): the
+    surrogate trained for another checkpoint is named with the command that trains the right one."""
+    from sglang_kvx.config import KvxConfigError, build_config
+    from sglang_kvx.decode import DECODE_STEPS
+
+    hybrid = demo_paths["tiny-hybrid-deep"]
+    with pytest.raises(KvxConfigError, match="no KVzap mlp surrogate was trained for .*train_kvzap --model"):
+        build_config("kvzap", "0.5", hybrid)
+    with pytest.raises(KvxConfigError, match="--kvx-decode kvzap_linear: no KVzap linear surrogate"):
+        build_config("none", "1.0", hybrid, decode="kvzap_linear")
+    assert "no KVzap mlp surrogate" in DECODE_STEPS["kvzap"].serving_problem(hybrid)
+    assert DECODE_STEPS["kvzap"].serving_problem(demo_paths["tiny-llama"]) is None
+    assert build_config("kvzap", "1.0", demo_paths["tiny-llama"], kvzap_threshold="-5", kvzap_window="64").kvzap_window == 64
+    with pytest.raises(KvxConfigError, match="--kvx-kvzap-threshold must be a finite number"):
+        build_config("kvzap", "1.0", demo_paths["tiny-llama"], kvzap_threshold="nan")

@@ -130,3 +130,16 @@ def test_decode_step_is_the_oracles_rule_and_gives_slots_back(compacting_dense, 
     assert report["own_slots_given_back"] == (end - start) + int(every[end:decided].sum())
     assert report["slots_freed"] == report["own_slots_given_back"] - report["fold_slots"] > 0
     assert server.stats()["kvzap_slots_freed"] >= report["slots_freed"]
+
+
+def test_a_model_without_a_surrogate_refuses_kvzap_by_name(compacting_hybrid):
+    """Per request, on a server whose checkpoint has no KVzap surrogate: a 4xx naming what is missing
+    and the command that trains it, for the policy and the decode step; the server goes on."""
+    server, ref = compacting_hybrid
+    context = ref.encode(text(60, seed=5740))
+    for kvx_fields, max_new in (({"policy": "kvzap", "keep_fraction": 1.0}, 0), ({"decode": {"step": "kvzap_linear"}}, 4)):
+        response = server.generate({"input_ids": context, "sampling_params": {
+            "max_new_tokens": max_new, "custom_params": {"kvx": kvx_fields}}})
+        assert 400 <= response.status_code < 500, response.text
+        assert "surrogate was trained for" in response.text and "train_kvzap --model" in response.text, response.text
+    assert generate(server, context, 4)["output_ids"]  # still serving

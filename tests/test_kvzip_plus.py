@@ -63,6 +63,9 @@ def test_gram_route_equals_the_direct_projection(tmp_path):
     for h in range(num_q_heads):
         direct = (values[h // 2] @ w[:, h * head_dim : (h + 1) * head_dim].T).norm(dim=-1)
         torch.testing.assert_close(got[h], direct, atol=1e-4, rtol=1e-4)
+    # A tensor-parallel rank holding KV head 1 (query heads 2 and 3) gets those heads' norms.
+    rank = OutputProjections(tmp_path).value_norms(1, values[1:], 2, first_q_head=2)
+    torch.testing.assert_close(rank, got[2:], atol=1e-5, rtol=1e-5)
     with pytest.raises(FileNotFoundError, match="o_proj"):
         OutputProjections(tmp_path / "nowhere").value_norms(0, values, num_q_heads)
 
@@ -127,7 +130,7 @@ def test_kvzip_plus_is_an_option_of_kvzip(references, contexts, demo_paths):
     assert not plain.plus and plus.plus and issubclass(plus, plain)
     assert plain.second_pass.capture().get("hidden_states") == 0
     assert plus.second_pass.capture().get("hidden_states") == 1  # norms only
-    assert plus.tp_unsafe and not plain.tp_unsafe
+    assert not plus.tp_unsafe and not plain.tp_unsafe  # a rank weights its own query heads (below)
     served = plus(model_path=demo_paths["tiny-llama"])
     assert isinstance(served.second_pass.plus, OutputProjections)
     from sglang_kvx.reference.signals import context_signals

@@ -44,8 +44,8 @@ def kept(signals: ContextSignals, policy_name: str, keep_fraction: float, layer:
 
 
 # Policies whose signals synthetic ones cannot stand in for; each has its own test file
-# (test_policies_tri_kvzip.py, test_gatesight.py).
-OWN_TEST_POLICIES = {"triattention", "kvzip", "gatesight"}
+# (test_policies_tri_kvzip.py, test_gatesight.py, test_kvzip_plus.py, test_kvzap.py).
+OWN_TEST_POLICIES = {"triattention", "kvzip", "gatesight", "kvzip_plus", "kvzap", "kvzap_linear"}
 
 
 def test_every_policy_is_registered_with_a_known_allocation_and_signals():

@@ -78,6 +78,7 @@ class SecondPassRunner:
         self.context_len = context_len
         self.on_failure = on_failure
         self.jobs: dict[str, PassJob] = {}  # pass request id -> its job
+        self.kv_heads: tuple[int, int] | None = None  # under tensor parallelism: the model's KV heads this rank holds
         self._prompts: dict[str, Any] = {}  # policy name -> its passes' prompt ids
         self._job_ids = itertools.count()
 
@@ -178,7 +179,7 @@ class SecondPassRunner:
                     keys=self.pool.read_keys(layer, row).transpose(0, 1).float(),  # [Hkv, n + m, D]
                     scaling=recording.state(PASS_SIGNAL).scaling[layer],
                     values=lambda layer=layer: self.pool.read(layer, row)[1].transpose(0, 1).float(),
-                    recording=recording)
+                    recording=recording, kv_heads=self.kv_heads)
                 job.rule.accumulate(job.totals[layer], pass_layer, start, end,
                                     protected_prefix_len=job.context.settings.protected_prefix_len)
             job.accumulate_s += time.perf_counter() - t0

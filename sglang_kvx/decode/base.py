@@ -76,6 +76,7 @@ class DecodeStep:
     needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
     reads_attention: ClassVar[bool] = False  # per-head eviction scored by the attention its queries paid each entry
     reads_attention_inputs: ClassVar[bool] = False  # its row state gets each attention layer's input hidden states
+    tp_unsafe: ClassVar[str] = ""  # why it cannot run under --tp-size > 1 ("" = it can)
     model_hint: ClassVar[str] = ""  # what to serve when a model lacks what it ``needs``
     row_state: ClassVar[type[RowState]] = RowState  # its per-row state, counters and report (decode/row_state.py)
     budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step
@@ -85,6 +86,12 @@ class DecodeStep:
         """The server-wide figures its row states add to (``/kvx/stats``), at zero: numbers are also
         counts (``/metrics``), lists are per-layer figures."""
         return {}
+
+    @classmethod
+    def serving_problem(cls, model_path: str) -> str | None:
+        """Why this server's checkpoint cannot run the step (a resource trained for another model: KVzap's
+        surrogate), or None; checked at launch for ``--kvx-decode`` and per request before it runs."""
+        return None
 
     def first_keep(self, keys: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
         """Per-head eviction, after the prefill: which of its T entries each head keeps, [H, T] bool

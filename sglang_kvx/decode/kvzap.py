@@ -43,7 +43,7 @@ import torch
 from sglang_kvx.compact.layout import fold_heads
 from sglang_kvx.decode.base import DecodeStep, register_decode_step
 from sglang_kvx.decode.row_state import RowState
-from sglang_kvx.policies.kvzap import WINDOW, KVzapSurrogate, find_surrogate
+from sglang_kvx.policies.kvzap import WINDOW, KVzapSurrogate, SurrogateMismatch, find_surrogate
 
 
 FOLD_EVERY = 64  # newly decided positions between two re-folds of a running row
@@ -269,6 +269,15 @@ class KVzapDecode(DecodeStep):
     model_hint = "a dense attention model with a KVzap surrogate (weights/kvzap/)"
     row_state = KVzapRow
     kind: ClassVar[str] = "mlp"
+    tp_unsafe = "a rank's row would have to score and fold only its own KV heads, which is not built yet"
+
+    @classmethod
+    def serving_problem(cls, model_path: str) -> str | None:
+        try:
+            surrogate_for(model_path, cls.kind)
+        except (SurrogateMismatch, OSError) as exc:
+            return str(exc)
+        return None
 
     @classmethod
     def totals(cls, num_layers: int) -> dict:

@@ -58,6 +58,7 @@ class PassLayer:
     scaling: float  # the layer's softmax scale
     values: Callable[[], torch.Tensor]  # () -> [Hkv, n + m, D], read from the pool only when asked
     recording: Any  # the pass's recording: every signal ``SecondPass.capture()`` named (``recording.state(name)``)
+    kv_heads: tuple[int, int] | None = None  # under tensor parallelism: the model's KV heads this rank holds
 
 
 class SecondPass:

@@ -30,8 +30,9 @@ the model's (``nvidia/KVzap-<kind>-<model>``), here by a fingerprint of the chec
 surrogate trained for another checkpoint is refused; its MLP width is fixed at 512 in its trainer,
 here D/8 as in the paper (72 on SmolLM2-135M). The paper's surrogates are trained on 1.2M tokens of
 Nemotron pretraining prompts of 750-1250 tokens; ours on the package's generated long texts (other
-seeds than any evaluation's), see ``training/train_kvzap.py``. Under tensor parallelism the scores
-would have to be sliced to a rank's KV heads: refused there for now.
+seeds than any evaluation's), see ``training/train_kvzap.py``. Under tensor parallelism each rank
+scores every head from the (replicated) hidden states and keeps its own; the budget mode's one
+threshold over every head is refused there, as KVzip's.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class KVzapPolicy(KVPolicy):
     needs = frozenset({"hidden_states"})
     allocation = "threshold"
     kind: ClassVar[str] = "mlp"
-    tp_unsafe = "a rank would score only its own KV heads with the surrogate; slicing them is not built yet"
+    # Under --tp-size > 1 every rank holds the whole hidden states: it scores every KV head and keeps
+    # its own (``ContextSignals.kv_heads``); the threshold decides each head alone, so ranks agree.
 
     def __init__(self, *, surrogate: KVzapSurrogate | str | Path | None = None, model_path: str | Path | None = None,
                  threshold: float | None = None, window: int = WINDOW) -> None:
@@ -218,19 +220,24 @@ class KVzapPolicy(KVPolicy):
     def chunk_scoring(self) -> ChunkScoring:
         return ChunkScoring(hidden=self.surrogate.score)
 
-    def _check(self, signals: ContextSignals) -> None:
-        if signals.num_layers != self.surrogate.num_layers or signals.num_kv_heads != self.surrogate.num_kv_heads:
+    def _own_heads(self, signals: ContextSignals) -> slice:
+        """The surrogate's KV heads this context keeps entries for (a tensor-parallel rank's own)."""
+        start, end = signals.kv_heads or (0, signals.num_kv_heads)
+        if (signals.num_layers != self.surrogate.num_layers or end - start != signals.num_kv_heads
+                or end > self.surrogate.num_kv_heads or (signals.kv_heads is None and end != self.surrogate.num_kv_heads)):
             raise ValueError(f"the KVzap surrogate covers {self.surrogate.num_layers} attention layers x "
-                             f"{self.surrogate.num_kv_heads} KV heads; this model has {signals.num_layers} x {signals.num_kv_heads}")
+                             f"{self.surrogate.num_kv_heads} KV heads; this model has {signals.num_layers} x "
+                             f"{signals.num_kv_heads} (heads {start}-{end - 1})")
+        return slice(start, end)
 
     def score(self, signals: ContextSignals, layer: int, budget: int | None = None) -> torch.Tensor:
         """Predicted log KVzip+ per KV head and entry; the last ``window`` entries +inf (always kept)."""
         check_layer(signals, layer)
-        self._check(signals)
-        if signals.streamed_scores is not None:
+        heads = self._own_heads(signals)
+        if signals.streamed_scores is not None:  # scored chunk by chunk inside the prefill (one rank)
             scores = signals.streamed_scores[layer].float().clone()
         else:
-            scores = self.surrogate.score(layer, layer_signal(signals, "hidden_states", layer, self.name))
+            scores = self.surrogate.score(layer, layer_signal(signals, "hidden_states", layer, self.name))[heads]
         if self.window:
             scores[:, max(0, signals.n - self.window) :] = float("inf")
         return scores.to(signals.score_device)

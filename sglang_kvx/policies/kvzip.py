@@ -34,9 +34,9 @@ repeated context only (the paper's Eq. 1 and 3, kvpress's ``kvzap/data.py``), no
 prompt's. kvpress's ``KVzipPress(kvzip_plus_normalization=True)`` maxes over every query of its
 repeat chunk, prompt included; otherwise the same normalisation. ||W_O^h v_i|| comes from the
 checkpoint's ``o_proj`` weights (read once, as per-head Gram matrices W_O^h^T W_O^h), ||h_j|| from
-the hidden-state signal each pass records (``signals/hidden_states.py``). Under tensor parallelism
-a rank would need its query heads' slices of ``o_proj``: refused there for now. These scores, in
-log, are what the KVzap surrogates learn (``policies/kvzap.py``).
+the hidden-state signal each pass records (``signals/hidden_states.py``); under tensor parallelism
+each rank weights its own query heads by their slices of ``o_proj``. These scores, in log, are what
+the KVzap surrogates learn (``policies/kvzap.py``).
 
 Against kvpress's KVzipPress (same max-over-queries-and-group score and the same global threshold
 with layerwise=False): kvpress pins the first ``n_sink`` = 4 tokens (score 1); here they score +inf,
@@ -155,7 +155,7 @@ def accumulate_reconstruction_attention(
         if value_norms.shape != (num_q_heads, n) or hidden_norms.shape != (q_len,):
             raise ValueError(f"KVzip+ needs value norms [{num_q_heads}, {n}] and hidden norms [{q_len}], got "
                              f"{tuple(value_norms.shape)} and {tuple(hidden_norms.shape)}")
-        first = q_len - chunk  # the repeated chunk's own queries; the prompt before it does not count
+        first = max(0, q_len - chunk)  # the repeated chunk's own queries; the prompt before it does not count
         weight_of_entry = value_norms[:, context_columns].float()  # [Hq, prefix + chunk]
         inverse_query_norm = 1.0 / hidden_norms.float()
     for kv_head in range(num_kv_heads):
@@ -190,7 +190,7 @@ class OutputProjections:
         self.model_path = Path(model_path)
         self._grams: list[torch.Tensor] | None = None
 
-    def _load(self, num_q_heads: int, head_dim: int) -> list[torch.Tensor]:
+    def _load(self, head_dim: int) -> list[torch.Tensor]:
         from safetensors import safe_open
 
         weights: dict[int, torch.Tensor] = {}
@@ -203,15 +203,16 @@ class OutputProjections:
             raise FileNotFoundError(f"{self.model_path}: no self_attn.o_proj weights in its safetensors (KVzip+ reads them)")
         grams = []
         for layer_id in sorted(weights):
-            w = weights[layer_id].reshape(-1, num_q_heads, head_dim).transpose(0, 1)  # [Hq, hidden, D]
+            w = weights[layer_id].reshape(weights[layer_id].shape[0], -1, head_dim).transpose(0, 1)  # [Hq, hidden, D]
             grams.append(w.transpose(1, 2) @ w)  # [Hq, D, D]
         return grams
 
-    def value_norms(self, layer: int, values: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-        """||W_O^h v_i|| for query head h and entry i: [q_heads, n] from values [kv_heads, n, D]."""
+    def value_norms(self, layer: int, values: torch.Tensor, num_q_heads: int, first_q_head: int = 0) -> torch.Tensor:
+        """||W_O^h v_i|| for query head h and entry i: [q_heads, n] from values [kv_heads, n, D]; the
+        query heads are the model's [first_q_head, first_q_head + num_q_heads) (a tensor-parallel rank's)."""
         if self._grams is None:
-            self._grams = self._load(num_q_heads, values.shape[-1])
-        gram = self._grams[layer].to(values.device)  # [Hq, D, D]
+            self._grams = self._load(values.shape[-1])
+        gram = self._grams[layer][first_q_head : first_q_head + num_q_heads].to(values.device)  # [Hq, D, D]
         v = values.float().repeat_interleave(num_q_heads // values.shape[0], dim=0)  # [Hq, n, D]
         return torch.einsum("hnd,hde,hne->hn", v, gram, v).clamp_min(0).sqrt()
 
@@ -248,8 +249,9 @@ class KVzipReconstruction(SecondPass):
         if self.plus:
             if not isinstance(self.plus, OutputProjections):
                 raise ValueError("kvzip_plus needs the model's output projections: build the policy with model_path")
-            n = total.shape[1]
-            value_norms = self.plus.value_norms(layer.layer, layer.values()[:, :n], layer.queries.shape[0])
+            n, num_q_heads = total.shape[1], layer.queries.shape[0]
+            first = (layer.kv_heads[0] if layer.kv_heads else 0) * (num_q_heads // total.shape[0])
+            value_norms = self.plus.value_norms(layer.layer, layer.values()[:, :n], num_q_heads, first)
             plus = (value_norms, layer.recording.state("hidden_states").norms(layer.layer))
         accumulate_reconstruction_attention(total, layer.queries, layer.keys, start, end,
                                             protected_prefix_len=protected_prefix_len, scaling=layer.scaling, plus=plus)
@@ -288,4 +290,4 @@ class KVzipPlusPolicy(KVzipPolicy):
 
     plus = True
     second_pass = KVzipReconstruction(plus=True)  # the served instance's reads the checkpoint (__init__)
-    tp_unsafe = "KVzip+'s ||W_O v|| reads every query head's slice of o_proj; a rank's heads are not mapped yet"
+    # Under --tp-size > 1 a rank's passes weight its own query heads by their slices of o_proj (PassLayer.kv_heads).

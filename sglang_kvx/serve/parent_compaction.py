@@ -18,7 +18,7 @@ from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import KVPool, Request, TensorParallel
 from sglang_kvx.serve.request_state import RequestState
 from sglang_kvx.settings import CompactionSettings
-from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads, get_signal
+from sglang_kvx.signals import CaptureSpec, ContextSignals, gather_heads, get_signal, rank_kv_heads
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
 
@@ -47,6 +47,8 @@ class ParentCompaction:
         self.capture_spec = capture_spec
         self.failed = failed
         self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
+        if tp is not None:  # a pass weighting its query heads by their o_proj slices (KVzip+) needs the rank's
+            second_pass.kv_heads = rank_kv_heads(num_kv_heads_total, tp.rank, tp.size)
         self.num_kv_heads_total = num_kv_heads_total
         self.skipped_no_room = 0
         self.degenerate = 0  # parents whose settings keep no entry
@@ -128,6 +130,8 @@ class ParentCompaction:
             gather_heads(signals, spec, self.tp, self.num_kv_heads_total)
         if error is not None:
             raise error
+        if self.tp is not None and signals.kv_heads is None:  # which heads this rank keeps (KVzap slices its scores)
+            signals.kv_heads = rank_kv_heads(self.num_kv_heads_total, self.tp.rank, self.tp.size)
 
     def _rank_slots(self, request: Request, context_slots: torch.Tensor, count: int) -> torch.Tensor | None:
         """Slots for the compacted context. Prefer the parent's own: the copy gathers the kept entries

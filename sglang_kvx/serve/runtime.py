@@ -13,6 +13,7 @@ context stays uncompacted with the reason in ``/kvx/stats``, and the scheduler g
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -20,7 +21,7 @@ import torch
 
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import SecondPassRunner
-from sglang_kvx.config import KvxConfig, load_recall_head, make_policy
+from sglang_kvx.config import KvxConfig, KvxConfigError, load_recall_head, make_policy
 from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
@@ -57,7 +58,8 @@ class Runtime:
         self.defaults = defaults
         self.store = ContextStore()
         self._policies: dict[str, KVPolicy] = {}
-        self.admission = Admission(pool, self.store, defaults, num_rows, parent_check=self._parent_problem,
+        self.admission = Admission(pool, self.store, defaults, num_rows,
+                                   parent_check=functools.partial(parent_problem, self),
                                    held_slots=self.held_slots,
                                    passes_pending=lambda ids, settings: self.second_pass.pending_for(ids, settings))
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq, gdn_layer_ids, attention_layer_ids)
@@ -156,6 +158,10 @@ class Runtime:
             request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
                           f"the server has none (--kvx-oda-head)")
             return None
+        if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
+                and (problem := state.decode.step_class.serving_problem(self.config.model_path))):
+            request.abort(f"sglang_kvx: decode step {state.decode.step!r} cannot be served by this server: {problem}")
+            return None
         if plan.kind == PLAN_CHILD:
             return CHILD
         if plan.queued:
@@ -170,8 +176,8 @@ class Runtime:
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE
         if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
-                and state.decode.step_class.reads_attention):
-            return WHOLE  # online H2O scores each entry by what every query of the context paid it
+                and (state.decode.step_class.reads_attention or state.decode.step_class.reads_attention_inputs)):
+            return WHOLE  # online H2O scores each entry by what every query paid it, KVzap from each one's hidden state
         return None
 
     def bounded_max_new_tokens(self, request: Request, requested: int, max_request_len: int, pool_tokens: int) -> int | None:
@@ -204,12 +210,6 @@ class Runtime:
         """The running requests' next decode step lacks ``tokens`` slots: idle unreserved contexts go
         first (whether any did), before SGLang retracts a request."""
         return self.admission.eviction.free_for_decode(tokens)
-
-    def _parent_problem(self, settings: CompactionSettings, n: int) -> str | None:
-        """Why a parent cannot be compacted under ``settings`` beyond what admission checks (a second pass's length)."""
-        if get_policy(settings.policy).second_pass:
-            return self.second_pass.check_fits(settings, n)
-        return None
 
     def after_alloc(self, requests: Sequence[Request]) -> None:
         """Rows are assigned: offsets and recurrent states of children; recordings of parents."""
@@ -295,3 +295,15 @@ class Runtime:
     def stats(self) -> dict[str, Any]:
         """``/kvx/stats``: the figures, the stored contexts and the running decode steps' reports."""
         return runtime_stats(self)
+
+
+def parent_problem(runtime: Runtime, settings: CompactionSettings, n: int) -> str | None:
+    """Why a parent cannot be compacted under ``settings`` beyond what admission checks (a policy whose
+    resources this server lacks -- KVzap's surrogates for another checkpoint --, a second pass's length)."""
+    try:
+        runtime.policy(settings.policy)
+    except KvxConfigError as exc:
+        return f"policy {settings.policy!r} cannot be served by this server: {exc}"
+    if get_policy(settings.policy).second_pass:
+        return runtime.second_pass.check_fits(settings, n)
+    return None
