@@ -66,6 +66,11 @@ class CompactedContext:
     def num_slots(self) -> int:
         return int(self.slots.numel())
 
+    @property
+    def per_head(self) -> bool:
+        """Whether its KV heads keep different counts (a per-head layout)."""
+        return self.layout.per_head
+
     @functools.cached_property
     def needs_masked_attention(self) -> bool:
         """Whether some layer reads other than exactly its S slots (it masks ranks or borrows cells)."""
