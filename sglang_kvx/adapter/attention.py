@@ -27,6 +27,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_kvx.adapter.forward import link_of
+from sglang_kvx.adapter.graph_replay import on_capture_path
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
 from sglang_kvx.ops.window_attention import window_attention
 from sglang_kvx.store import PrefixCells
@@ -47,7 +48,7 @@ def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     runtime = link.runtime
     if not runtime.admission.rows.row_context and not runtime.decode:
         return {}  # the common case: no running row reads a compacted prefix or runs a decode step
-    if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+    if on_capture_path(forward_batch.req_pool_indices):
         return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
     index = runtime.compactor.layer_index.get(layer.layer_id)
     if index is None:
@@ -66,7 +67,7 @@ def _sparse_budget(backend, layer, forward_batch) -> int:
     link = link_of(backend)
     if link is None or layer.is_cross_attention or not link.runtime.config.sparse_budget:
         return 0
-    if forward_batch.req_pool_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+    if on_capture_path(forward_batch.req_pool_indices):
         return 0  # graphs are captured on dummy rows; sparse batches never replay one (around_can_run_graph)
     return link.runtime.config.sparse_budget
 
@@ -133,6 +134,10 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend))
 
     __slots__ = ()
     EXTEND_QUERY_BLOCK = 1024  # queries per masked SDPA call: bounds the [block, keys] mask
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Nothing to capture. Only the CPU graph emulation asks (``graph_replay.py``: this backend stands
+        in there for a capturable one such as FA3); graphs are declared off for it everywhere else."""
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,

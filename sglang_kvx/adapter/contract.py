@@ -94,6 +94,13 @@ GDN_BACKEND_CLASS = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBacke
 GDN_LAYER_INIT = "sglang.srt.models.qwen3_next.Qwen3GatedDeltaNet.__init__"
 CPU_HOOKS: list[str] = [GDN_BACKEND_CLASS, *CPU_STANDINS, GDN_LAYER_INIT]
 
+# CPU platform under SGLANG_KVX_EMULATE_GRAPHS=1 (graph_runners.py): SGLang's graph runners, emulated.
+_GRAPH_SETUP = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup"
+EMULATION_HOOKS: dict[str, tuple[str, str]] = {
+    f"{_GRAPH_SETUP}.capture_decode_graph": ("around_capture_decode_graph", HOOK_AROUND),
+    f"{_GRAPH_SETUP}.PrefillCudaGraphRunner": ("EmulatedPrefillGraph", HOOK_REPLACE),
+}
+
 # Modules and names imported directly (registries, base classes, helpers).
 IMPORTED: list[str] = [
     "sglang.srt.plugins.hook_registry.HookRegistry",
@@ -150,7 +157,7 @@ ATTRIBUTES: dict[str, list[str]] = {
 
 
 def all_targets() -> list[str]:
-    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *CPU_HOOKS, *IMPORTED]
+    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *CPU_HOOKS, *EMULATION_HOOKS, *IMPORTED]
 
 
 def missing_in_installed_sglang() -> list[str]:

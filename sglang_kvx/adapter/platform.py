@@ -15,13 +15,16 @@ from sglang.srt.platforms.cpu import CpuDeviceMixin
 from sglang.srt.platforms.device_mixin import PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from sglang_kvx.adapter.graph_replay import emulation_asked
+
 logger = logging.getLogger(__name__)
 
 class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """Torch-native attention and sampling, no graphs, no Triton, gloo collectives."""
 
     _enum = PlatformEnum.OOT
-    capabilities = PlatformCapabilities()
+    # Decode graphs are captured only where the platform says it can: under the emulation, emulated ones.
+    capabilities = PlatformCapabilities(graph_capture=emulation_asked())
 
     def get_default_attention_backend(self) -> str:
         # SGLang's torch-native attention, plus per-layer lengths for compacted prefixes

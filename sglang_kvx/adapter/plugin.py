@@ -51,6 +51,7 @@ def load() -> None:
     _register_platform_defaults()
     _register_attention_backend()
     _register_gdn_backend()
+    _register_graph_emulation()
     if multiprocessing.parent_process() is None:
         _register_http_routes()
         from sglang_kvx.adapter.door import register_door
@@ -233,6 +234,22 @@ def _register_gdn_backend() -> None:
     for target, name in CPU_STANDINS.items():
         HookRegistry.register(target, getattr(cpu_standins, name), HookType.REPLACE)
     HookRegistry.register(GDN_LAYER_INIT, _around_gdn_layer_init_on_cpu, HookType.AROUND)
+
+
+def _register_graph_emulation() -> None:
+    """``SGLANG_KVX_EMULATE_GRAPHS=1`` on the CPU platform: SGLang's graph runners, emulated
+    (``graph_replay.py``); scheduler processes only (graphs are captured there)."""
+    from sglang_kvx.adapter.graph_replay import emulation_asked
+
+    if not emulation_asked() or not on_cpu_platform() or multiprocessing.parent_process() is None:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_kvx.adapter import graph_runners
+    from sglang_kvx.adapter.contract import EMULATION_HOOKS
+
+    for target, (name, kind) in EMULATION_HOOKS.items():
+        HookRegistry.register(target, getattr(graph_runners, name), HookType(kind))
 
 
 def _around_gdn_layer_init_on_cpu(original, layer, *args, **kwargs):

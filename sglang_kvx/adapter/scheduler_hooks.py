@@ -17,7 +17,9 @@ import torch
 from sglang_kvx.adapter.attention_inputs import tap_attention_inputs
 from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
+from sglang_kvx.adapter.graph_replay import silent_in_replay
 from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
+from sglang_kvx.serve.request_state import usage_of, waits, waits_for_room
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +29,8 @@ def register_scheduler_hooks() -> None:
 
     functions = globals()
     for target, (name, kind) in SCHEDULER_HOOKS.items():
-        HookRegistry.register(target, functions[name], HookType(kind))
+        # A graph replay runs none of them (a real one cannot; the CPU emulation makes them pass through).
+        HookRegistry.register(target, silent_in_replay(functions[name], kind), HookType(kind))
 
 
 # --- the runtime's life ----------------------------------------------------------------

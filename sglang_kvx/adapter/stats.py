@@ -22,6 +22,11 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
         "kv_pool_evictable_tokens": int(tree_cache.evictable_size()),
         "kv_pool_protected_tokens": int(tree_cache.protected_size()),
     }
+    from sglang_kvx.adapter.graph_runners import graph_replays
+
+    replays = graph_replays(scheduler.tp_worker.model_runner)
+    if replays:  # the CPU graph emulation is on
+        stats["graph_replays"] = replays
     if runtime is not None:
         total, free = stats["kv_pool_total_tokens"], stats["kv_pool_free_tokens"]
         stats["protected_prefix_len"] = config.protected_prefix_len
