@@ -101,6 +101,8 @@ class Request(Protocol):
     owned_len: int  # positions it holds KV for (SGLang frees [owned_from, owned_len) at release)
     # The first prompt position it wants log-probabilities for (None: none of its prompt's); settable.
     input_logprobs_from: int | None
+    # Its prefix-cache namespace (SGLang's extra_key, cache_salt; None: neither): contexts never cross it.
+    namespace: tuple[str | None, str | None] | None
 
     @property
     def state(self) -> Any:

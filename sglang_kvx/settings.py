@@ -41,6 +41,9 @@ class CompactionSettings:
     keep_fraction: float
     protected_prefix_len: int
     allocation: str
+    # SGLang's prefix-cache namespace of the request (its extra_key and cache_salt; None: neither), which
+    # isolates compacted contexts exactly as it isolates radix entries: every tier's key holds it.
+    namespace: tuple[str | None, str | None] | None = None
 
 
 class _FieldsMethods:
@@ -141,8 +144,10 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
     return DecodeSettings(settings.step, tuple(sorted(options.items())))
 
 
-def resolve_settings(fields: RequestFields, server: ServerDefaults) -> CompactionSettings:
-    """The request's fields over the server's flags, checked against the registries and the model."""
+def resolve_settings(fields: RequestFields, server: ServerDefaults,
+                     namespace: tuple[str | None, str | None] | None = None) -> CompactionSettings:
+    """The request's fields over the server's flags, checked against the registries and the model, in the
+    request's prefix-cache ``namespace``."""
     policy_name = fields.policy or server.policy
     policy_cls = get_policy(policy_name)
     if not policy_cls.compacts:
@@ -161,4 +166,5 @@ def resolve_settings(fields: RequestFields, server: ServerDefaults) -> Compactio
             fields.protected_prefix_len if fields.protected_prefix_len is not None else server.protected_prefix_len
         ),
         allocation=allocation,
+        namespace=namespace,
     )

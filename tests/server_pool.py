@@ -72,10 +72,11 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
     if kind == "plain":  # SGLang with the extension loaded and idle (no policy, no decode steps)
         return spec(path, *SERVER_ARGS, "--kvx-policy", "none", max_total_tokens=MAX_TOTAL_TOKENS)
     if kind == "compacting":  # compaction by default (KeyDiff, p = 0.5), per-request decode steps, a
-        # recall head (the suite's seeded one), the throwaway test policies and step, /metrics
+        # recall head (the suite's seeded one), the throwaway test policies and step, /metrics, and the
+        # OpenAI routes' cached tokens (--enable-cache-report)
         return spec(path, *SERVER_ARGS, "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
                     "--kvx-decode-steps", "on", "--kvx-oda-head", str(oda_head),
-                    "--kvx-policy-modules", "throwaway_policy", "--enable-metrics",
+                    "--kvx-policy-modules", "throwaway_policy", "--enable-metrics", "--enable-cache-report",
                     max_total_tokens=MAX_TOTAL_TOKENS, env=env)
     if kind == "recomputing":  # the GDN signals recomputed as on SGLang's own (GPU) kernels' route,
         # SGLang's torch_native attention backend, prefill chunks of 128 tokens

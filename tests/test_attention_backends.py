@@ -108,6 +108,8 @@ def test_sglang_torch_native_backend_serves_per_layer_budgets(recomputing_hybrid
             served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
             assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
             # The layers are folded: the context holds the mean of the per-layer counts, not the largest.
-            assert body["meta_info"]["cached_tokens"] == entry["slots"] == -(-sum(kept) // len(kept)) < max(kept)
+            slots = body["meta_info"]["kvx"][-1]["slots"]
+            assert slots == entry["slots"] == -(-sum(kept) // len(kept)) < max(kept)
+            assert body["meta_info"]["cached_tokens"] == len(context)  # SGLang's count: the tokens not prefilled
     stats = server.stats()
     assert sorted(c["reuse_count"] for c in stats["compacted_contexts"]) == [2, 2, 2]

@@ -131,10 +131,11 @@ def test_child_matches_the_oracle_with_the_same_keep_set(compacting, policy, kee
     assert body["output_ids"] == expected_ids, f"{name} {policy} p={keep_fraction}"
     served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
-    # The child read the compacted prefix: its cached tokens are the rank slots, not the context,
-    # as many as the mean of the per-layer (per-head, for KVzip) counts: layers and heads folded.
+    # The child read the compacted prefix: its rank slots, as many as the mean of the per-layer (per-head,
+    # for KVzip) counts -- layers and heads folded; SGLang's cached tokens are the context it did not prefill.
     kept = offline.kept_per_head
-    assert body["meta_info"]["cached_tokens"] == -(-sum(map(sum, kept)) // (len(kept) * len(kept[0])))
+    assert body["meta_info"]["kvx"][-1]["slots"] == -(-sum(map(sum, kept)) // (len(kept) * len(kept[0])))
+    assert body["meta_info"]["cached_tokens"] == len(context)
     if policy == "kvzip":  # its heads keep different counts: the per-head layout was exercised
         assert offline.per_head
     # ... and compaction changed what the model saw (the check can fail when it does nothing).
@@ -372,7 +373,7 @@ def test_a_full_cache_request_never_adopts_a_compacted_context(compacting):
     assert full["output_ids"] == ref.greedy(context + question, 6)
     assert stored(server, len(context), "keydiff", 0.5)["reuse_count"] == 0
     child = generate(server, context + question, 6)  # no settings: the server's, so it is a child
-    assert child["meta_info"]["cached_tokens"] == stored(server, len(context), "keydiff", 0.5)["slots"]
+    assert child["meta_info"]["kvx"][-1]["slots"] == stored(server, len(context), "keydiff", 0.5)["slots"]
 
 
 def test_gdn_signals_recomputed_from_the_layer_inputs_match(recomputing_hybrid, demo_paths, oracle):
@@ -478,4 +479,4 @@ def test_a_kvzip_child_sent_before_the_passes_end_waits_for_them(shared_server, 
     late = ask(server, context, question, "kvzip", 0.2)
     assert "waited_for_second_passes_s" not in late["meta_info"]["kvx"][0]
     assert early["output_ids"] == late["output_ids"]
-    assert early["meta_info"]["cached_tokens"] == late["meta_info"]["cached_tokens"] < len(context)
+    assert early["meta_info"]["kvx"][0]["slots"] == late["meta_info"]["kvx"][0]["slots"] < len(context)

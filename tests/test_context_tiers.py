@@ -27,6 +27,7 @@ class Child:
         self.rid, self.input_ids, self.custom_params = "child", list(input_ids), KVX
         self.max_new_tokens, self.has_output, self.finished, self.aborted, self.holds_kv = max_new_tokens, False, False, False, False
         self.input_logprobs_from, self.state, self.error, self.out_of_tree = None, None, None, False
+        self.namespace = None  # no extra_key or cache_salt
 
     def abort(self, message: str, status: int = 400) -> None:
         self.error, self.status = message, status

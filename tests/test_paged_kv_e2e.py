@@ -137,7 +137,7 @@ def test_children_of_a_paged_context_match_the_oracle(paged, policy, keep_fracti
         for body in (alone, concurrent):
             served_lp = [e[0] for e in body["meta_info"]["output_token_logprobs"]]
             assert max(abs(a - b) for a, b in zip(served_lp, expected_lp)) <= 1e-4
-            assert body["meta_info"]["cached_tokens"] == entry["slots"]
+            assert body["meta_info"]["kvx"][-1]["slots"] == entry["slots"] and body["meta_info"]["cached_tokens"] == len(context)
     pool_balances(server)
     server.flush()
     stats = server.stats()

@@ -76,6 +76,15 @@ PLUGIN_HOOKS: list[str] = [
 
 # The HTTP process (door.py): request validation before the scheduler.
 DOOR_HOOKS: list[str] = ["sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"]
+# The HTTP process (usage.py): a child's prompt and cached tokens as SGLang defines them. Every output
+# batch passes through the first before anything reads its counts; the second is where SGLang counts
+# cached tokens by their literal source, beside which the extension's sources are counted.
+USAGE_HOOKS: dict[str, tuple[str, str]] = {
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._handle_batch_output": (
+        "around_handle_batch_output", HOOK_AROUND),
+    "sglang.srt.observability.metrics_collector.TokenizerMetricsCollector.observe_one_finished_request": (
+        "after_observe_one_finished_request", HOOK_AFTER),
+}
 
 # CPU platform only (plugin.py): no GDN kernel registry exists, so one class and a few Triton
 # functions SGLang's model code calls directly get torch stand-ins; one constructor is wrapped.
@@ -157,7 +166,7 @@ ATTRIBUTES: dict[str, list[str]] = {
 
 
 def all_targets() -> list[str]:
-    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *CPU_HOOKS, *EMULATION_HOOKS, *IMPORTED]
+    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *USAGE_HOOKS, *CPU_HOOKS, *EMULATION_HOOKS, *IMPORTED]
 
 
 def missing_in_installed_sglang() -> list[str]:

@@ -20,11 +20,15 @@ PASSIVE_FIELDS = ("tenant",)
 
 
 def register_door() -> None:
+    """The HTTP process's hooks: this door, and the children's usage counts (``adapter/usage.py``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_kvx.adapter.contract import DOOR_HOOKS
+    from sglang_kvx.adapter.contract import DOOR_HOOKS, USAGE_HOOKS
+    from sglang_kvx.adapter import usage
 
     HookRegistry.register(DOOR_HOOKS[0], after_validate_one_request, HookType.AFTER)
+    for target, (name, kind) in USAGE_HOOKS.items():
+        HookRegistry.register(target, getattr(usage, name), HookType(kind))
 
 
 def after_validate_one_request(_result, tokenizer_manager, obj, input_ids=None, *_args, **_kwargs) -> None:

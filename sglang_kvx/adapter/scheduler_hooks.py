@@ -115,10 +115,10 @@ def build_runtime(scheduler, config):
         model_fingerprint=context_file_fingerprint(scheduler, pool, attention_ids, gdn_ids) if config.context_dir else "",
     )
 
-    def submit(rid: str, input_ids: list[int], compact: bool = False) -> None:
+    def submit(rid: str, input_ids: list[int], compact: bool = False, namespace: tuple | None = None) -> None:
         from sglang_kvx.adapter.internal_requests import prefill_only_request
 
-        scheduler.handle_generate_request(prefill_only_request(rid, input_ids, compact))
+        scheduler.handle_generate_request(prefill_only_request(rid, input_ids, compact, namespace))
 
     return Runtime(
         config, pool, defaults, num_rows=scheduler.req_to_token_pool.size + 1, num_q_heads=hf.num_attention_heads,
@@ -146,10 +146,18 @@ _STREAMERS: dict[type, type] = {}  # one subclass per SGLang streamer class (a c
 def _outcome_streamer(base: type) -> type:
     if base not in _STREAMERS:
         def build_additional_customized_info(self, reqs) -> dict[str, list]:
+            from sglang_kvx.adapter.usage import USAGE_KEY
+
+            if runtime is None:
             runtime = runtime_of(self.tree_cache.req_to_token_pool)
-            outcomes = [runtime.outcome_once(SGLangRequest(req)) for req in reqs] if runtime is not None else []
+                return {}
+            outcomes = [runtime.outcome_once(SGLangRequest(req)) for req in reqs]
+            usage = [usage_of(SGLangRequest(req)) for req in reqs]
             # Most outputs carry nothing to report: then no field at all (nothing to pickle and merge).
-            return {"kvx": outcomes} if any(outcomes) else {}
+            info = {"kvx": outcomes} if any(outcomes) else {}
+            if any(usage):
+                info[USAGE_KEY] = usage  # consumed in the HTTP process (adapter/usage.py), never shown
+            return info
 
         _STREAMERS[base] = type(f"Kvx{base.__name__}", (base,), {
             "__module__": __name__, "__slots__": (), "has_additional_customized_info": True,
@@ -227,10 +235,17 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
         request = SGLangRequest(req)
         if runtime.admit_restore(request, SGLangRoundBudget(adder)):
             req.init_next_round_input(adder.tree_cache)
-        if runtime.waits(request):
+        if waits(request):
             from sglang.srt.managers.schedule_policy import AddReqResult
 
-            return AddReqResult.NO_TOKEN if runtime.waits_for_room(request) else AddReqResult.CONTINUE
+            return AddReqResult.NO_TOKEN if waits_for_room(request) else AddReqResult.CONTINUE
+        result = original(adder, req, *args, **kwargs)
+        if adder.can_run_list and adder.can_run_list[-1] is req:
+            # SGLang's hit-rate counts the child's S slots as its cached prefix; the prompt tokens it did
+            # not prefill are the context's n (sglang:cache_hit_rate, the realtime prefill_cache tokens).
+            for usage in usage_of(request):
+                adder.log_hit_tokens += usage["hidden"]
+        return result
     return original(adder, req, *args, **kwargs)
 
 

@@ -189,6 +189,11 @@ class SGLangRequest:
         return self.req.sampling_params.max_new_tokens
 
     @property
+    def namespace(self) -> tuple[str | None, str | None] | None:
+        extra_key, cache_salt = getattr(self.req, "extra_key", None), getattr(self.req, "cache_salt", None)
+        return None if extra_key is None and cache_salt is None else (extra_key, cache_salt)
+
+    @property
     def has_output(self) -> bool:
         return bool(self.req.output_ids)
 

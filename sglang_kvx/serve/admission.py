@@ -204,6 +204,8 @@ class Admission:
         state.outcome = {"child": True, "context_tokens": context.n, "slots": context.num_slots,
                          "policy": context.settings.policy, "keep_fraction": context.settings.keep_fraction,
                          **(state.restored or {})}
+        source = (state.restored or {}).get("restored_from") or "pool"
+        state.usage = {"hidden": context.n - context.num_slots, "context_tokens": context.n, "source": f"kvx_{source}"}
         if state.waited_since is not None:
             state.outcome["waited_for_second_passes_s"] = round(time.monotonic() - state.waited_since, 3)
 

@@ -14,7 +14,7 @@ from sglang_kvx.decode import DecodeSettings, DecodeStep
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import Request
 from sglang_kvx.schema import FIELD_PREFIX
-from sglang_kvx.serve.plans import Plan
+from sglang_kvx.serve.plans import WAIT_ROOM, Plan
 from sglang_kvx.settings import (GENERATING_MARK, CompactionSettings, RequestFields, ServerDefaults, SettingsError,
                                  request_fields_of, resolve_decode, resolve_settings)
 from sglang_kvx.store import CompactedContext
@@ -43,6 +43,7 @@ class RequestState:
     waited_since: float | None = None  # when it first waited for second passes (its response says how long)
     skip_tiers: bool = False  # a restore of its context failed: it is served without the tiers
     restored: dict | None = None  # where its context came back from, for its outcome
+    usage: dict | None = None  # a child's prompt tokens SGLang does not see (n - S) and their source (adapter/usage.py)
 
     def decode_step(self) -> DecodeStep:
         """The request's decode step, built on first use and kept: one instance per request, which
@@ -104,8 +105,31 @@ def settings_of(request: Request, state: RequestState, defaults: ServerDefaults)
     """The request's compaction settings, resolved once; None (and the request aborted) when they cannot be served."""
     if state.settings is None:
         try:
-            state.settings = resolve_settings(state.fields, defaults)
+            state.settings = resolve_settings(state.fields, defaults, request.namespace)
         except (SettingsError, ValueError) as exc:
             request.abort(f"sglang_kvx: {exc}")
             return None
     return state.settings
+
+
+# --- what the adapter asks of a queued or running request's state ---------------------------------------
+
+
+def waits(request: Request) -> bool:
+    """Whether a queued request stays queued this round (its plan is WAIT, or RESTORE not yet admitted)."""
+    state = request.state
+    return state is not None and state.waits
+
+
+def waits_for_room(request: Request) -> bool:
+    """Whether a waiting request waits for room (SGLang then ends the round, as for any request that does
+    not fit: first come, first served); else the requests behind it go on."""
+    state = request.state
+    return state is not None and state.plan is not None and state.plan.reason == WAIT_ROOM
+
+
+def usage_of(request: Request) -> list[dict]:
+    """A child's prompt tokens SGLang does not see (its context's n - S) and where they came from, with
+    every output of it (``adapter/usage.py`` corrects SGLang's counts with it); [] for others."""
+    state = request.state
+    return [state.usage] if state is not None and state.usage is not None and not state.internal else []

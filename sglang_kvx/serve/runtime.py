@@ -27,7 +27,7 @@ from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request, RoundBudget, TensorParallel
 from sglang_kvx.serve.admission import Admission
-from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE, WAIT_ROOM
+from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE
 from sglang_kvx.serve.report import runtime_counts, runtime_stats
 from sglang_kvx.serve.decoding import DecodeRunner
 from sglang_kvx.serve.parent_compaction import ParentCompaction
@@ -109,19 +109,6 @@ class Runtime:
         except Exception as exc:  # noqa: BLE001 - contained to this request
             self._refuse_on_error(request, exc, "admitting")
             return None
-
-    @staticmethod
-    def waits(request: Request) -> bool:
-        """Whether a queued request stays queued this round (its plan is WAIT, or RESTORE not yet admitted)."""
-        state = request.state
-        return state is not None and state.waits
-
-    @staticmethod
-    def waits_for_room(request: Request) -> bool:
-        """Whether a waiting request waits for room (SGLang then ends the round, as for any request that
-        does not fit: first come, first served); else the requests behind it go on."""
-        state = request.state
-        return state is not None and state.plan is not None and state.plan.reason == WAIT_ROOM
 
     def admit_restore(self, request: Request, budget: RoundBudget) -> bool:
         """Where SGLang charges a queued request to the round's budget: a child whose context is held below

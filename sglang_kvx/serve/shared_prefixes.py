@@ -47,26 +47,29 @@ class SharedPrefixes:
     def __init__(self, min_tokens: int, capacity: int = 32) -> None:
         self.min_tokens = min_tokens  # 0: detect (WARN_MIN_TOKENS) and log only
         self.threshold = min_tokens or WARN_MIN_TOKENS
-        self.recent: deque[tuple[int, ...]] = deque(maxlen=capacity)  # latest plain prompts, newest last
-        self.pending: set[tuple[int, ...]] = set()  # prefixes queued as parents, not yet released
+        self.recent: deque[tuple] = deque(maxlen=capacity)  # latest plain prompts (namespace, ids), newest last
+        self.pending: set[tuple] = set()  # (namespace, prefix) queued as parents, not yet released
         self.seen = 0  # plain requests that repeated a long beginning of an earlier one
 
-    def observe(self, input_ids: Sequence[int], stored_len: int = 0) -> tuple[int, ...] | None:
-        """A plain request arrives: the prefix it shares with the most recent earlier prompt sharing
-        at least ``min_tokens`` (and more than ``stored_len``, the longest stored context it extends),
-        when that prefix is new; None otherwise."""
+    def observe(self, input_ids: Sequence[int], stored_len: int = 0, namespace: tuple | None = None) -> tuple[int, ...] | None:
+        """A plain request arrives: the prefix it shares with the most recent earlier prompt of its own
+        prefix-cache ``namespace`` sharing at least ``min_tokens`` (and more than ``stored_len``, the
+        longest stored context it extends), when that prefix is new; None otherwise. Prompts of two
+        namespaces never make one context (one tenant's salted prompt must not become another's)."""
         ids = tuple(int(t) for t in input_ids)
         found = None
-        for other in reversed(self.recent):
+        for other_namespace, other in reversed(self.recent):
+            if other_namespace != namespace:
+                continue
             shared = common_prefix_len(ids, other, self.threshold)
             if shared >= self.threshold and shared < len(ids):
                 found = ids[:shared]
                 break
-        self.recent.append(ids)
+        self.recent.append((namespace, ids))
         if found is None or len(found) <= stored_len:
             return None
         self.seen += 1
-        if found in self.pending:
+        if (namespace, found) in self.pending:
             return None
         return found
 
@@ -87,7 +90,7 @@ class AutoContexts:
 
     def observe(self, request: Request) -> None:
         """A plain, unmarked request arrives: queue the long beginning it repeats as a parent."""
-        prefix = self.shared.observe(request.input_ids)
+        prefix = self.shared.observe(request.input_ids, namespace=request.namespace)
         if prefix is None:
             return
         shared = self.shared
@@ -97,12 +100,12 @@ class AutoContexts:
                                "as a context (e.g. a %d-token one); send it once with max_new_tokens 0, or serve with "
                                "--kvx-auto-context-min-tokens", shared.seen, shared.threshold, len(prefix))
             return
-        shared.pending.add(prefix)
+        shared.pending.add((request.namespace, prefix))
         self.queued += 1
-        self.submit(f"{AUTO_RID_PREFIX}{self.queued}", list(prefix), True)
+        self.submit(f"{AUTO_RID_PREFIX}{self.queued}", list(prefix), True, request.namespace)
         logger.info("sglang_kvx: compacting a %d-token beginning that plain requests repeat", len(prefix))
 
     def released(self, request: Request) -> None:
         """A parent of ours finished: its beginning may be queued again once it is gone from the store."""
         if request.finished and self.is_own(request.rid):
-            self.shared.pending.discard(tuple(int(t) for t in request.input_ids))
+            self.shared.pending.discard((request.namespace, tuple(int(t) for t in request.input_ids)))

@@ -86,6 +86,7 @@ class CompactedContext:
             "keep_fraction": self.settings.keep_fraction,
             "protected_prefix_len": self.settings.protected_prefix_len,
             "allocation": self.settings.allocation,
+            "salted": self.settings.namespace is not None,  # whether it lives in a namespace (never the salt itself)
             "tenant": self.tenant,
             "reuse_count": self.reuse_count,
             "active_children": self.active_children,

@@ -96,8 +96,26 @@ def model_fingerprint(model_path: str, tokenizer_path: str, facts: dict[str, Any
 
 
 def settings_json(settings: CompactionSettings) -> dict[str, Any]:
-    return {"policy": settings.policy, "keep_fraction": settings.keep_fraction,
-            "protected_prefix_len": settings.protected_prefix_len, "allocation": settings.allocation}
+    out = {"policy": settings.policy, "keep_fraction": settings.keep_fraction,
+           "protected_prefix_len": settings.protected_prefix_len, "allocation": settings.allocation}
+    if settings.namespace is not None:  # salted contexts hash (and file) their namespace; unsalted ones as before
+        out["namespace"] = list(settings.namespace)
+    return out
+
+
+def settings_of(raw: Any) -> CompactionSettings:
+    """A manifest's settings, checked (raises ValueError)."""
+    if not isinstance(raw, dict) or not {"policy", "keep_fraction", "protected_prefix_len", "allocation"} <= set(raw) <= {
+            "policy", "keep_fraction", "protected_prefix_len", "allocation", "namespace"}:
+        raise ValueError("settings must hold policy, keep_fraction, protected_prefix_len, allocation (and a namespace)")
+    namespace = raw.get("namespace")
+    if namespace is not None:
+        if not (isinstance(namespace, list) and len(namespace) == 2
+                and all(part is None or isinstance(part, str) for part in namespace)):
+            raise ValueError("settings.namespace must be [extra_key, cache_salt]")
+        namespace = tuple(namespace)
+    return CompactionSettings(raw["policy"], raw["keep_fraction"], raw["protected_prefix_len"], raw["allocation"],
+                              namespace)
 
 
 def context_key(fingerprint: str, context_ids: tuple[int, ...], settings: CompactionSettings) -> str:
@@ -264,11 +282,7 @@ def _entry_of(key: str, raw: dict[str, Any], mtime: float, mtime_ns: int) -> Dis
     ids = raw["context_ids"]
     if not isinstance(ids, list) or not ids or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in ids):
         raise ValueError("context_ids must be a non-empty list of token ids")
-    settings_raw = raw["settings"]
-    if not isinstance(settings_raw, dict) or set(settings_raw) != {"policy", "keep_fraction", "protected_prefix_len",
-                                                                   "allocation"}:
-        raise ValueError("settings must hold policy, keep_fraction, protected_prefix_len and allocation")
-    settings = CompactionSettings(**settings_raw)
+    settings = settings_of(raw["settings"])
     if not (isinstance(settings.policy, str) and isinstance(settings.allocation, str)
             and type(settings.keep_fraction) in (int, float) and 0 < settings.keep_fraction <= 1
             and type(settings.protected_prefix_len) is int and 0 <= settings.protected_prefix_len < len(ids)):
@@ -390,7 +404,7 @@ def decode(manifest: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Tiered
     keys = [tensors[f"k.{layer}"] for layer in range(num_layers)]
     values = [tensors[f"v.{layer}"] for layer in range(num_layers)]
     return TieredContext(
-        context_ids=tuple(int(t) for t in manifest["context_ids"]), settings=CompactionSettings(**manifest["settings"]),
+        context_ids=tuple(int(t) for t in manifest["context_ids"]), settings=settings_of(manifest["settings"]),
         kept_per_layer=[int(k) for k in manifest["kept_per_layer"]], layout=layout, keys=keys, values=values,
         prefix_cells=[_prefix_cells_of(c) for c in manifest["prefix_cells"]],
         keep_positions=_tree_in(manifest["keep_positions"], tensors),

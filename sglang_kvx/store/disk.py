@@ -183,7 +183,8 @@ class DiskTier:
 
     def summaries(self) -> list[dict[str, Any]]:
         return [{"context_tokens": e.n, "bytes": e.nbytes, "policy": e.settings.policy,
-                 "keep_fraction": e.settings.keep_fraction, "tenant": e.tenant} for e in self.entries.values()]
+                 "keep_fraction": e.settings.keep_fraction, "salted": e.settings.namespace is not None,
+                 "tenant": e.tenant} for e in self.entries.values()]
 
     # --- the worker ------------------------------------------------------------------------------
 

@@ -173,4 +173,5 @@ class HostTier:
     def summaries(self) -> list[dict[str, Any]]:
         """What /kvx/stats lists of each held context."""
         return [{"context_tokens": e.n, "slots": e.num_slots, "bytes": e.nbytes, "policy": e.settings.policy,
-                 "keep_fraction": e.settings.keep_fraction, "tenant": e.tenant} for e in self.entries.values()]
+                 "keep_fraction": e.settings.keep_fraction, "salted": e.settings.namespace is not None,
+                 "tenant": e.tenant} for e in self.entries.values()]
