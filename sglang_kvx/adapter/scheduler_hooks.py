@@ -148,8 +148,8 @@ def _outcome_streamer(base: type) -> type:
         def build_additional_customized_info(self, reqs) -> dict[str, list]:
             from sglang_kvx.adapter.usage import USAGE_KEY
 
-            if runtime is None:
             runtime = runtime_of(self.tree_cache.req_to_token_pool)
+            if runtime is None:
                 return {}
             outcomes = [runtime.outcome_once(SGLangRequest(req)) for req in reqs]
             usage = [usage_of(SGLangRequest(req)) for req in reqs]
