@@ -256,7 +256,8 @@ SETTINGS: tuple[Setting, ...] = (
             from_field=field_name("allocation", _allocation_names)),
     Setting("compact", "false: this parent keeps its full cache (no policy runs on it).", from_field=field_bool("compact")),
     Setting("decode", "A decode-time step every generating request runs unless it names its own "
-            "(custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule, sigmoid-gate, h2o, keydiff) "
+            "(custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule, sigmoid-gate, h2o, keydiff, kvzap, "
+            "kvzap_linear) "
             "or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. "
             "Implies --kvx-decode-steps on.", "", flag_decode, from_field=field_decode),
     Setting("tenant", "Whose contexts these are: each tenant's share of the store's reserve is its own.",
@@ -271,7 +272,7 @@ SETTINGS: tuple[Setting, ...] = (
             "one more share with untagged requests, so inventing tenant names cannot dilute a seated tenant's share.",
             "8", lambda raw: flag_count(raw, "--kvx-reserved-tenants", limit=4096)),
     Setting("decode_steps", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM "
-            "eviction, span schedules, On-Demand Attention, learned-gate and online H2O / KeyDiff eviction).",
+            "eviction, span schedules, On-Demand Attention, learned-gate, online H2O / KeyDiff and KVzap eviction).",
             "off", lambda raw: flag_on_off(raw, "--kvx-decode-steps")),
     Setting("auto_context_min_tokens", "Compact, unasked, the beginning plain requests keep repeating once it is at "
             "least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); "
