@@ -42,7 +42,7 @@ import requests
 import torch
 from tqdm import tqdm
 
-from sglang_kvx.config import find_recall_head
+from sglang_kvx.decode.oda import find_head
 from sglang_kvx.decode.flops import oda_flops
 from sglang_kvx.decode.recall_head import RecallHead, config_hash, load_model_config
 from sglang_kvx.models.demo import ensure_demo_models, weights_root
@@ -170,7 +170,7 @@ def main() -> None:
         note = json.loads((Path(head_dir) / "manifest.json").read_text()).get("note")
         head_note = f"the server's head {head_dir}" + (f" ({note})" if note else "")
     else:
-        head_dir = args.head or find_recall_head(str(path))
+        head_dir = args.head or find_head(str(path))
         head_note = "trained head" if head_dir else "seeded random head (cost only)"
         if not head_dir:
             head_dir = str(seeded_head(path, Path(tempfile.mkdtemp()) / "head", args.sinks, args.window))

@@ -304,6 +304,7 @@ def policy_keep_sets(device: torch.device, n: int, layers: int, heads: int, kv_h
         for start in range(0, n, chunk):  # the prefill's chunks, as the adapter hands them over
             length = min(chunk, n - start)
             batch = OnePrefill(start, length)
+            recorder.expect(batch)  # as the adapter does for each forward batch, before it runs
             for i, layer_id in enumerate(gdn_ids):
                 beta, decay, v = (t[start : start + length] for t in gdn[i])
                 recorder.gdn_signals(layer_id, 0, beta, decay, v)

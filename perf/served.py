@@ -72,8 +72,13 @@ class Served:
 
     @property
     def oda_head(self) -> str:
-        """The recall head folder it serves ("" when none)."""
-        return str(self.settings["oda_head"])
+        """The recall head folder it serves ("" when none): its --kvx-oda-head, else the one found for its model."""
+        from sglang_kvx.decode.oda import find_head
+
+        try:
+            return find_head(self.model_path, str(self.settings["oda_head"]))
+        except ValueError:
+            return ""
 
     @property
     def flags(self) -> str:

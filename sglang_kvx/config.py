@@ -19,6 +19,7 @@ from typing import Any
 from sglang_kvx.checkpoint import text_config
 from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
 from sglang_kvx.decode import DECODE_STEPS
+from sglang_kvx.decode.base import StepUnavailable
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
 
@@ -138,26 +139,6 @@ def model_traits(model_path: str | os.PathLike) -> ModelTraits | None:
     return traits_of_config(json.loads(config_file.read_text()))
 
 
-def find_recall_head(model_path: str, explicit: str = "") -> str:
-    """The recall head folder to serve: ``explicit``, else ``<model>/oda``, else
-    ``weights/oda/<model folder name>`` beside this package ("" when none exists)."""
-    if explicit:
-        try:
-            found = (Path(explicit) / "manifest.json").is_file()
-        except OSError as exc:  # a name the file system refuses (too long)
-            raise KvxConfigError(f"--kvx-oda-head {_short(explicit)}: {exc.strerror}") from None
-        if not found:
-            raise KvxConfigError(f"--kvx-oda-head {_short(explicit)}: no manifest.json there")
-        return explicit
-    if not model_path:
-        return ""
-    model = Path(model_path).expanduser()
-    for candidate in (model / "oda", Path(__file__).resolve().parent.parent / "weights" / "oda" / model.resolve().name):
-        if (candidate / "manifest.json").exists():
-            return str(candidate)
-    return ""
-
-
 def import_policy_modules(modules: str) -> None:
     """Import each comma-separated module: importing one registers the policies it defines."""
     import importlib
@@ -200,7 +181,6 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
         if idle:
             raise KvxConfigError(f"{idle[0]} has no effect: the server runs no --kvx-policy, decode-time steps or "
                                  f"block-sparse attention (add one, or drop {idle[0]})")
-    values["oda_head"] = find_recall_head(str(model_path or ""), values["oda_head"])
     config = KvxConfig(**values, model_path=str(model_path or ""))
     if config.sparse_budget and config.decode_steps:
         raise KvxConfigError("--kvx-sparse-attention cannot be combined with decode-time steps yet")
@@ -243,8 +223,8 @@ def build_config(policy: str = "none", keep_fraction: str | float = "1.0", model
         config = replace(config, gate_tau=read_gate_tau(model_path))
     if config.decode:
         config = replace(config, decode=check_decode_for_model(config, traits))
-    if config.decode and json.loads(config.decode)["step"] == "oda":
-        load_recall_head(config)  # no head, or one trained for another model: fail now
+    if config.decode_steps:
+        check_step_resources(config)  # a resource configured wrong, or the server's own step without one: fail now
     return config
 
 
@@ -328,6 +308,21 @@ def read_gate_tau(model_path: str | os.PathLike) -> float | None:
     return float(tau)
 
 
+def check_step_resources(config: KvxConfig) -> None:
+    """Every decode step's server-wide resources (``DecodeStep.load_resources``: On-Demand Attention's recall
+    head) from this launch's settings: wrong settings are refused, and so is ``--kvx-decode``'s step when this
+    server cannot run it (a step merely unavailable is refused per request instead)."""
+    default = json.loads(config.decode)["step"] if config.decode else None
+    for name, step_class in DECODE_STEPS.items():
+        try:
+            step_class.load_resources(config)
+        except StepUnavailable as why:
+            if name == default:
+                raise KvxConfigError(f"--kvx-decode {name}: {why}") from None
+        except ValueError as exc:
+            raise KvxConfigError(str(exc)) from None
+
+
 def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str:
     """The server's decode step against the model (``checks.decode_problem``): what it reads must be
     there; a gate step without a tau takes the checkpoint's. Returns the canonical JSON, completed."""
@@ -343,20 +338,6 @@ def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str
         raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "
                              f"no tau; pass --kvx-decode '{{\"step\": \"{settings['step']}\", \"tau\": 0.05}}'")
     return json.dumps(options, sort_keys=True)
-
-
-def load_recall_head(config: KvxConfig):
-    """The recall head On-Demand Attention routes with, checked against the served model."""
-    from sglang_kvx.decode.recall_head import RecallHead
-
-    if not config.oda_head:
-        raise KvxConfigError(f"On-Demand Attention needs a recall head trained for {config.model_path or 'this model'}: "
-                             f"none in <model>/oda or weights/oda/; pass --kvx-oda-head or train one "
-                             f"(python -m sglang_kvx.training.train_recall_head)")
-    try:
-        return RecallHead.from_pretrained(config.oda_head, config.model_path) if config.model_path else None
-    except (ValueError, OSError, KeyError) as exc:
-        raise KvxConfigError(f"--kvx-oda-head: {exc}") from None
 
 
 def make_policy(name: str, config: KvxConfig) -> KVPolicy:

@@ -273,6 +273,7 @@ def _record_in_chunks(recorder, signals, chunks, skip_gdn_layer=None, gates=None
 
     for start, length in chunks:
         batch = _Batch([Segment(index=0, row=5, start=0, length=length, prefix_len=start)])
+        recorder.expect(batch)  # the adapter tells it each forward batch's tokens, from outside the forward
         part = slice(start, start + length)
         for model_layer in range(5):
             if model_layer in (1, 4):

@@ -181,7 +181,7 @@ def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
     oda = parse_request_fields({"decode": {"step": "oda", "theta": 0.25, "window": 32}}).decode
     assert oda == DecodeSettings("oda", (("window", 32), ("theta", 0.25)))
     step = oda.build()
-    assert step.reads_hidden and step.span(1).hidden(100) == (4, 68)
+    assert step.forward_outputs == {"final_hidden", "input_embeddings"} and step.span(1).hidden(100) == (4, 68)
     # Eq. 4: Full iff the score exceeds theta; a score that is not finite falls back to Full.
     assert step.rerun_span(1, step.span(1), 0.2) is None
     assert step.rerun_span(2, step.span(2), 0.3) is FULL

@@ -145,6 +145,7 @@ ATTRIBUTES: dict[str, list[str]] = {
         "finished", "owned_kv_len",
     ],
     "sglang.srt.managers.schedule_policy.PrefillAdder": ["tree_cache"],
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": ["reqs"],
     "sglang.srt.managers.scheduler.Scheduler": [
         "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "page_size", "server_args",
         "model_config", "max_total_num_tokens", "handle_generate_request", "metrics_collector",
@@ -152,7 +153,7 @@ ATTRIBUTES: dict[str, list[str]] = {
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch": [
         "forward_mode", "req_pool_indices", "positions", "extend_seq_lens", "extend_start_loc",
         "extend_seq_lens_cpu", "extend_prefix_lens_cpu", "seq_lens", "seq_lens_cpu", "capture_hidden_mode",
-        "input_ids",
+        "input_ids", "batch_size", "req_pool_indices_cpu",
     ],
     "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool": ["get_mamba_indices", "mamba_pool"],
     "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector": ["labels"],

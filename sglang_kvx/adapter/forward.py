@@ -3,7 +3,8 @@
 At scheduler start the plugin puts one ``Link`` on the scheduler's request-to-token pool, on every
 attention and linear-attention layer of the model and on its attention backends. Forward batches
 are copied by SGLang between building and running, so nothing rides on them; instead the link
-keeps the view of the batch it last saw (rows read from the device once per forward).
+keeps the view of the batch it last saw, built where SGLang builds the forward batch from the
+scheduler's (``begin``: its rows as host lists), so no layer reads them back from the device.
 """
 
 from __future__ import annotations
@@ -19,18 +20,25 @@ LINK_ATTR = "_kvx_link"
 class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
-    __slots__ = ("runtime", "metrics", "kernel_plans", "_batch")
+    __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "_batch")
 
     def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
         self.metrics = metrics  # adapter.metrics.KvxMetrics with --enable-metrics, else None
         self.kernel_plans = DecodePlans()  # FlashInfer wrappers: planned once per forward batch, run per layer
+        self.graph_declines: dict[str, int] = {}  # batches kept off a captured graph, by reason (/kvx/stats)
         self._batch: SGLangBatch | None = None
 
+    def begin(self, forward_batch: Any, rows: list[int]) -> SGLangBatch:
+        """A forward batch was built from the scheduler's batch, whose rows are ``rows`` (host ints)."""
+        self._batch = SGLangBatch(forward_batch, rows)
+        self.kernel_plans.begin_batch()
+        return self._batch
+
     def batch(self, forward_batch: Any) -> SGLangBatch:
-        """The view of ``forward_batch``; copies of one batch share its row tensor, hence its view."""
+        """The view of ``forward_batch`` (or of SGLang's copy of it into its runner's buffers)."""
         view = self._batch
-        if view is None or view.fb.req_pool_indices is not forward_batch.req_pool_indices or view.fb.forward_mode != forward_batch.forward_mode:
+        if view is None or not view.serves(forward_batch):
             view = self._batch = SGLangBatch(forward_batch)
             self.kernel_plans.begin_batch()
         return view

@@ -19,6 +19,7 @@ from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
 from sglang_kvx.adapter.graph_replay import silent_in_replay
 from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
+from sglang_kvx.decode.row_state import FINAL_HIDDEN, INPUT_EMBEDDINGS, ForwardOutputs
 from sglang_kvx.serve.request_state import usage_of, waits, waits_for_room
 
 logger = logging.getLogger(__name__)
@@ -314,8 +315,9 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):
     """A forward with decode-step rows. Decode: spans first, the forward, a re-run where a step asks
     (every row's recurrent state restored first, so rows not re-run compute the same again), drops.
-    Rows routed by the recall head (On-Demand Attention) are scored between the two runs; a prefill
-    of such rows seeds their first prev_h."""
+    What the rows' steps read of the forward besides the logits (``DecodeStep.forward_outputs``) is
+    captured for the batch and handed over: the first run's to score it, the kept run's after the step;
+    a prefill chunk's after it."""
     link = link_of(model_runner.req_to_token_pool)
     if link is None or not link.runtime.decode:
         return original(model_runner, forward_batch, *args, **kwargs)
@@ -323,10 +325,11 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
     mode = forward_batch.forward_mode
     if mode.is_extend() and not mode.is_decode():
         rows = link.batch(forward_batch).rows
-        if not decode.routed(rows):
+        wanted = decode.forward_outputs(rows)
+        if not wanted:
             return original(model_runner, forward_batch, *args, **kwargs)
-        output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
-        decode.prefill_hidden(rows, hidden)
+        output, outputs = _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
+        decode.after_run(rows, outputs)
         return output
     if not mode.is_decode():
         return original(model_runner, forward_batch, *args, **kwargs)
@@ -334,24 +337,18 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
     rows = batch.rows
     may_rerun = decode.begin(rows)
     snapshot = pool.snapshot_rows(rows) if may_rerun and pool.has_state else None
-    routed = bool(decode.routed(rows))
-    if routed:
-        output, hidden = _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
-        embeddings = model_runner.model.get_input_embeddings()(forward_batch.input_ids)
-        again = decode.reruns(may_rerun, rows, hidden, embeddings)
-    else:
-        output, hidden = original(model_runner, forward_batch, *args, **kwargs), None
-        again = decode.reruns(may_rerun)
+    wanted = decode.forward_outputs(rows)
+    output, outputs = _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
+    again = decode.reruns(may_rerun, rows, outputs)
     if again:
-        output, hidden = _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, hidden,
-                                *args, **kwargs)
-    if routed:
-        decode.commit_hidden(rows, hidden)
+        output, outputs = _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, outputs,
+                                 wanted, *args, **kwargs)
+    decode.after_run(rows, outputs)
     decode.end(rows, batch.seq_lens)
     return output
 
 
-def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, hidden, *args, **kwargs):
+def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output, outputs, wanted, *args, **kwargs):
     """Run the step again for the rows in ``again`` (their spans set anew), from their pre-step
     recurrent states; only those rows when the batch has others (a sub-batch), their results
     written over the first run's."""
@@ -362,48 +359,63 @@ def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output,
     runtime.decode.count_rerun(partial=not whole)
     if snapshot is not None:
         pool.restore_rows(rows, snapshot, None if whole else which)
-    capture = hidden is not None
     if whole:
-        if capture:
-            return _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs)
-        return original(model_runner, forward_batch, *args, **kwargs), None
+        return _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
     sub = decode_sub_batch(forward_batch, which)
-    if capture:
-        sub_output, sub_hidden = _forward_with_hidden(original, model_runner, sub, *args, **kwargs)
-    else:
-        sub_output, sub_hidden = original(model_runner, sub, *args, **kwargs), None
+    link_of(model_runner.req_to_token_pool).begin(sub, [rows[i] for i in which])  # its rows, as host ints
+    sub_output, sub_outputs = _forward_with_outputs(original, model_runner, sub, wanted, *args, **kwargs)
     index = torch.tensor(which, dtype=torch.long, device=output.logits_output.next_token_logits.device)
     output.logits_output.next_token_logits[index] = sub_output.logits_output.next_token_logits
-    if capture:
-        hidden = hidden.clone()
-        hidden[index.to(hidden.device)] = sub_hidden
-    return output, hidden
+    if outputs is not None and outputs.final_hidden is not None:
+        hidden = outputs.final_hidden.clone()
+        hidden[index.to(hidden.device)] = sub_outputs.final_hidden
+        outputs = ForwardOutputs(final_hidden=hidden, input_embeddings=outputs.input_embeddings)  # same tokens fed
+    return output, outputs
 
 
-def _forward_with_hidden(original, model_runner, forward_batch, *args, **kwargs):
-    """The forward, and each row's final hidden state (the LM head's input at its last position),
-    asked of SGLang's logits processor; handed to the client only if the batch asked for it."""
+def _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs):
+    """The forward, and what ``wanted`` names of it besides the logits (None when nothing): each row's
+    final hidden state (the LM head's input at its last position, asked of SGLang's logits processor and
+    handed to the client only if the batch asked for it) and its last token's input embedding."""
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
+    if not wanted:
+        return original(model_runner, forward_batch, *args, **kwargs), None
     asked = forward_batch.capture_hidden_mode
-    if asked is None or asked == CaptureHiddenMode.NULL:
+    plain = asked is None or asked == CaptureHiddenMode.NULL
+    if FINAL_HIDDEN in wanted and plain:
         forward_batch.capture_hidden_mode = CaptureHiddenMode.LAST
     output = original(model_runner, forward_batch, *args, **kwargs)
-    logits = output.logits_output
-    hidden = logits.hidden_states
-    if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL and forward_batch.forward_mode.is_extend():
-        hidden = hidden[torch.cumsum(forward_batch.extend_seq_lens.to(torch.long), 0) - 1]
-    if asked is None or asked == CaptureHiddenMode.NULL:
-        forward_batch.capture_hidden_mode = asked
-        logits.hidden_states = None
-    return output, hidden
+    outputs = ForwardOutputs()
+    extend = forward_batch.forward_mode.is_extend()
+    last = torch.cumsum(forward_batch.extend_seq_lens.to(torch.long), 0) - 1 if extend else None
+    if FINAL_HIDDEN in wanted:
+        logits = output.logits_output
+        hidden = logits.hidden_states
+        if forward_batch.capture_hidden_mode == CaptureHiddenMode.FULL and extend:
+            hidden = hidden[last]
+        outputs.final_hidden = hidden
+        if plain:
+            forward_batch.capture_hidden_mode = asked
+            logits.hidden_states = None
+    if INPUT_EMBEDDINGS in wanted:
+        ids = forward_batch.input_ids if last is None else forward_batch.input_ids[last.to(forward_batch.input_ids.device)]
+        outputs.input_embeddings = model_runner.model.get_input_embeddings()(ids)
+    return output, outputs
 
 
 def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_args, **kwargs):
+    """A forward batch was built from the scheduler's (outside any graph): its view takes the rows as host ints
+    from there, so no layer reads them back from the device; recordings learn the tokens it runs; children's
+    positions are moved on the device, queued on the stream the forward runs on."""
     model_runner = model_runner if model_runner is not None else kwargs.get("model_runner")
-    runtime = runtime_of(model_runner.req_to_token_pool)
-    if runtime is None:
+    link = link_of(model_runner.req_to_token_pool)
+    if link is None:
         return forward_batch
+    runtime = link.runtime
+    reqs = getattr(batch, "reqs", None) or []
+    view = link.begin(forward_batch, [int(req.kv.req_pool_idx) for req in reqs] if len(reqs) == forward_batch.batch_size else None)
+    runtime.recorder.expect(view)
     # Children's tokens continue from the true context length (RoPE), not the compacted one.
     if runtime.admission.rows.any_offsets and forward_batch.positions is not None and forward_batch.req_pool_indices is not None:
         offsets = runtime.admission.rows.position_offset[forward_batch.req_pool_indices.to(torch.long)]
@@ -411,7 +423,8 @@ def after_forward_batch_init(forward_batch, _cls, batch, model_runner=None, *_ar
         if mode.is_decode():
             forward_batch.positions = forward_batch.positions + offsets
         elif mode.is_extend():
-            per_token = torch.repeat_interleave(offsets, forward_batch.extend_seq_lens.to(torch.long))
+            per_token = torch.repeat_interleave(offsets, forward_batch.extend_seq_lens.to(torch.long),
+                                                output_size=sum(forward_batch.extend_seq_lens_cpu))  # no device read
             forward_batch.positions = forward_batch.positions + per_token[: forward_batch.positions.shape[0]]
         else:
             raise NotImplementedError(f"sglang_kvx: forward mode {mode} with compacted children")
@@ -476,19 +489,27 @@ def after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs)
 
 
 def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs):
-    """A captured graph replays the backend's own kernels: a batch reading a compacted prefix with
-    per-layer lengths, hiding part of a row for a decode step, or under block-sparse attention runs
-    eagerly instead."""
+    """Whether a batch replays a captured graph (decode and prefill graphs, CPU graphs): SGLang's answer, then
+    the plugin's, decided in this one place. A replay runs none of the plugin's Python, so a batch whose rows
+    need it inside the forward runs eagerly, as their policies and steps declare (``serve/graph_eligibility.py``);
+    so does one asking for more hidden states than the graph captured (SGLang's decode replay would raise)."""
     if not original(graph_runner, forward_batch, *args, **kwargs):
         return False
     link = link_of(graph_runner.model_runner.req_to_token_pool)
     if link is None:
         return True
-    if link.runtime.config.sparse_budget:
-        return False  # block-sparse attention runs the kernel layer's ops, eagerly
-    if link.runtime.decode and link.runtime.decode.any_hidden():
-        return False  # a decode step hides part of some row's history
-    return not link.runtime.admission.rows.needs_per_layer_lengths(link.batch(forward_batch))
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    from sglang_kvx.serve.graph_eligibility import eager_reason
+
+    captured = getattr(graph_runner, "capture_hidden_mode", CaptureHiddenMode.NULL)
+    asked = forward_batch.capture_hidden_mode
+    reason = eager_reason(link.runtime, link.batch(forward_batch), hidden_captured=captured != CaptureHiddenMode.NULL,
+                          hidden_beyond=asked is not None and captured < asked)
+    if reason is None:
+        return True
+    link.graph_declines[reason] = link.graph_declines.get(reason, 0) + 1
+    return False
 
 
 def around_dp_routing(original, controller, req):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.config import KvxConfig
 
 
@@ -27,6 +28,9 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
     replays = graph_replays(scheduler.tp_worker.model_runner)
     if replays:  # the CPU graph emulation is on
         stats["graph_replays"] = replays
+    link = link_of(scheduler.req_to_token_pool)
+    if link is not None:  # batches the plugin kept off captured graphs, by reason (around_can_run_graph)
+        stats["graph_declines"] = dict(link.graph_declines)
     if runtime is not None:
         total, free = stats["kv_pool_total_tokens"], stats["kv_pool_free_tokens"]
         stats["protected_prefix_len"] = config.protected_prefix_len

@@ -5,6 +5,7 @@ Every SGLang field the runtime reads or writes is named here and nowhere else ou
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
@@ -286,15 +287,28 @@ class SGLangRoundBudget:
 
 
 class SGLangBatch:
-    """A ``ForwardBatch`` as the recorder and attention see it; host lists read once, lazily."""
+    """A ``ForwardBatch`` as the recorder and attention see it. Its host lists come from the scheduler's
+    batch where the adapter has it (``rows``: built before the forward, so no layer reads a device tensor
+    back -- under the overlap scheduler that would wait for the forward), else read once, lazily."""
 
     __slots__ = ("fb", "_rows", "_segments", "_seq_lens")
 
-    def __init__(self, forward_batch) -> None:
+    def __init__(self, forward_batch, rows: list[int] | None = None) -> None:
         self.fb = forward_batch
-        self._rows: list[int] | None = None
+        self._rows: list[int] | None = rows
         self._segments: list[Segment] | None = None
         self._seq_lens: list[int] | None = None
+
+    def serves(self, forward_batch) -> bool:
+        """Whether this view is of ``forward_batch``: the batch itself, or SGLang's copy of it into its
+        runner's buffers (same mode, rows and host lengths)."""
+        fb = self.fb
+        if forward_batch.req_pool_indices is fb.req_pool_indices:
+            return forward_batch.forward_mode == fb.forward_mode
+        if forward_batch.forward_mode != fb.forward_mode or forward_batch.batch_size != fb.batch_size:
+            return False
+        mine, theirs = getattr(fb, "seq_lens_cpu", None), getattr(forward_batch, "seq_lens_cpu", None)
+        return mine is not None and theirs is not None and torch.equal(mine, theirs)
 
     @property
     def is_extend(self) -> bool:
@@ -307,7 +321,8 @@ class SGLangBatch:
     @property
     def rows(self) -> list[int]:
         if self._rows is None:
-            self._rows = self.fb.req_pool_indices.tolist()  # one host read per batch view
+            cpu = getattr(self.fb, "req_pool_indices_cpu", None)
+            self._rows = (cpu if cpu is not None else self.fb.req_pool_indices).tolist()  # one read per batch view
         return self._rows
 
     @property
@@ -322,7 +337,7 @@ class SGLangBatch:
     def segments(self) -> list[Segment]:
         if self._segments is None:
             fb = self.fb
-            starts = fb.extend_start_loc.tolist()
+            starts = list(itertools.accumulate(fb.extend_seq_lens_cpu[:-1], initial=0))  # host lengths, no device read
             self._segments = [
                 Segment(index=i, row=row, start=starts[i], length=fb.extend_seq_lens_cpu[i],
                         prefix_len=fb.extend_prefix_lens_cpu[i])

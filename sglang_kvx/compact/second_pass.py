@@ -168,7 +168,9 @@ class SecondPassRunner:
         start, end = job.passes.pop(request.rid)
         complete = (not request.aborted and request.finished and request.holds_kv and recording is not None
                     and len(recording.state(PASS_SIGNAL).chunks) == self.pool.num_layers)
-        if not complete:
+        if complete and (why := recording.incomplete()) is not None:  # a forward ran without the plugin's hooks
+            job.failed = job.failed or f"reconstruction pass {request.rid}: {why}"
+        elif not complete:
             job.failed = job.failed or f"reconstruction pass {request.rid} did not complete"
         else:
             t0 = time.perf_counter()

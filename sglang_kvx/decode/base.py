@@ -8,12 +8,20 @@ sinks and a window). A step is one short class registered by name, like a policy
   rerun_span(step, first, score)
                             after that run: the span to re-run the step with (None: keep the result);
                             the runtime restores the row's recurrent (GDN / conv) state first.
-                            ``score`` is the server's recall head's score of the first run for a
-                            step that ``reads_hidden`` (On-Demand Attention), else None
+                            ``score`` is what the step's row state scored the first run from the
+                            forward's outputs (``RowState.first_run_scores``: On-Demand Attention's
+                            recall head), else None
   may_rerun(step)           whether rerun_span can ask (the runtime snapshots state only then)
   dropped(seq_len)          after the step, per attention layer, the interval [start, end) of
                             positions that layer never reads again: masked at once, and their
                             slots freed once no layer keeps them
+  forward_outputs           what its row state reads of each forward besides the logits (final
+                            hidden states, input embeddings: ``row_state.FORWARD_OUTPUTS``); the
+                            adapter captures them for its rows only, and such batches run eagerly
+                            where a captured graph would not produce them
+  load_resources(config)    its server-wide resources (On-Demand Attention's recall head), built once
+                            per scheduler from the server's settings; ``StepUnavailable``: its requests
+                            are refused with the reason
   row_state, totals        its per-row state (gates, per-head budgets, hidden states, folds), its
                             counters and report, and the server-wide figures it adds to
                             (``decode/row_state.py``)
@@ -38,7 +46,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from sglang_kvx.decode.row_state import RowState
+from sglang_kvx.decode.row_state import FORWARD_OUTPUTS, RowState
 
 MAX_OPTION = 1 << 24
 MAX_REAL_OPTION = 1e6
@@ -71,7 +79,7 @@ class DecodeStep:
     name: ClassVar[str] = ""
     options: ClassVar[tuple[str, ...]] = ()  # the request fields it takes, each a whole number
     real_options: ClassVar[tuple[str, ...]] = ()  # ... and those that are real numbers
-    reads_hidden: ClassVar[bool] = False  # rerun_span gets the recall head's score of each first run
+    forward_outputs: ClassVar[frozenset[str]] = frozenset()  # what its row state reads of each forward (FORWARD_OUTPUTS)
     drops: ClassVar[bool] = False  # dropped() may return something (not yet served over a compacted prefix)
     needs: ClassVar[frozenset[str]] = frozenset()  # model signals it reads (``ModelTraits.signals``)
     reads_attention: ClassVar[bool] = False  # per-head eviction scored by the attention its queries paid each entry
@@ -86,6 +94,14 @@ class DecodeStep:
         """The server-wide figures its row states add to (``/kvx/stats``), at zero: numbers are also
         counts (``/metrics``), lists are per-layer figures."""
         return {}
+
+    @classmethod
+    def load_resources(cls, config: Any, device: torch.device | None = None) -> Any:
+        """The step's server-wide resources (a trained head), built once per scheduler from the server's
+        settings (``KvxConfig``: its flags and model) on ``device``; None when it needs none. Raises
+        ValueError when those settings are wrong (the launch fails), ``StepUnavailable`` when this server
+        cannot run the step (its requests are refused with the reason)."""
+        return None
 
     @classmethod
     def serving_problem(cls, model_path: str) -> str | None:
@@ -128,6 +144,10 @@ class DecodeStep:
         return None
 
 
+class StepUnavailable(Exception):
+    """This server cannot run the step (``DecodeStep.load_resources``): its requests are refused with the reason."""
+
+
 DECODE_STEPS: dict[str, type[DecodeStep]] = {}
 
 
@@ -135,6 +155,8 @@ def register_decode_step(name: str) -> Callable[[type[DecodeStep]], type[DecodeS
     def decorator(cls: type[DecodeStep]) -> type[DecodeStep]:
         if name in DECODE_STEPS:
             raise ValueError(f"decode step {name!r} is already registered")
+        if unknown := sorted(set(cls.forward_outputs) - set(FORWARD_OUTPUTS)):
+            raise ValueError(f"decode step {name!r}: forward_outputs {unknown} are none of {', '.join(FORWARD_OUTPUTS)}")
         cls.name = name
         DECODE_STEPS[name] = cls
         return cls
@@ -155,7 +177,7 @@ class DecodeSettings:
 
     @property
     def step_class(self) -> type[DecodeStep]:
-        """The step's class: its facts (``reads_hidden``, ``drops``, ``needs`` ...) without building one."""
+        """The step's class: its facts (``forward_outputs``, ``drops``, ``needs`` ...) without building one."""
         return DECODE_STEPS[self.step]
 
     def build(self) -> DecodeStep:

@@ -2,8 +2,8 @@
 
 The runner (``serve/decoding.py``) keeps, for every request running a decode step, the span of the
 current step and the positions every layer dropped; everything else a step needs per request --
-gates, per-head budgets, recall-head hidden states, folds -- and its counters and report live in an
-instance of the step's ``row_state`` class, made when the request enters its row:
+gates, per-head budgets, the last committed hidden state, folds -- and its counters and report live in
+an instance of the step's ``row_state`` class, made when the request enters its row:
 
   chose(span)            after each decode step's first run: the span the step committed to (None:
                          the first run's; steps that may re-run)
@@ -13,6 +13,11 @@ instance of the step's ``row_state`` class, made when the request enters its row
                          list named ``report``); None: nothing to say
   outcome(row)           the response's report when the request ends (default: ``summary``)
   release(row)           the request leaves: free what it holds, add its figures to the totals
+  after_run(outputs, i)  steps declaring ``forward_outputs``: what the forward the row keeps (a prefill
+                         chunk, a decode step's committed run) produced, at batch index ``i``
+  first_run_scores(states, index, outputs)
+                         (a class method) steps that may re-run: each row's score of its first run,
+                         every row of the class in the batch at once (``rerun_span``'s ``score``)
 
 and, called by the attention backend one layer at a time (the backends name no step):
 
@@ -35,6 +40,20 @@ from typing import Any, Callable, ClassVar
 
 KeysOf = Callable[[int], Any]  # n -> the row's first n cached keys in this layer, [Hkv, n, D]
 
+# What a step may read of each forward besides the logits (``DecodeStep.forward_outputs``).
+FINAL_HIDDEN = "final_hidden"  # each row's final hidden state (the LM head's input) at its last position
+INPUT_EMBEDDINGS = "input_embeddings"  # the input embedding of each row's last token (its embed_tokens row)
+FORWARD_OUTPUTS = (FINAL_HIDDEN, INPUT_EMBEDDINGS)
+
+
+@dataclass
+class ForwardOutputs:
+    """What one forward produced besides the logits, one row per batch row ([batch, hidden] each; None
+    where no step of the batch asked)."""
+
+    final_hidden: Any = None
+    input_embeddings: Any = None
+
 
 @dataclass
 class Visibility:
@@ -56,7 +75,7 @@ class RowFacts:
     gates: Any = None  # learned-gate models: the gate of each pool cell, per buffer (torch.Tensor)
     fold_every: int = 64  # decode steps between re-folds of a row under learned-gate eviction
     model_path: str = ""  # the served checkpoint (its config: FLOPs ledgers)
-    recall_head: Any = None  # On-Demand Attention's recall head (decode.recall_head.RecallHead), if loaded
+    resources: dict[str, Any] = field(default_factory=dict)  # each step's ``load_resources``, by step name
 
 
 class RowState:
@@ -89,6 +108,15 @@ class RowState:
 
     def visibility(self, layer: int, seq_len: int, keys_of: KeysOf, decode: bool) -> Visibility | None:
         return None
+
+    def after_run(self, outputs: ForwardOutputs, index: int) -> None:
+        pass
+
+    @classmethod
+    def first_run_scores(cls, states: list["RowState"], index: list[int], outputs: ForwardOutputs | None) -> list:
+        """Each row's score of its decode step's first run (``index``: the rows' batch positions in
+        ``outputs``, None when the batch's steps read nothing of the forward); None: no score."""
+        return [None] * len(states)
 
     def after_attention(self, layer: int, seq_len: int, weights: Any, keys_of: KeysOf, decode: bool) -> None:
         pass

@@ -6,10 +6,11 @@ recurrent state and runs the forward again), then ``end`` (what each row drops f
 no layer keeps any more go back to the pool). Attention reads ``hidden`` per row and layer: one
 interval [start, end) of positions a row does not read in that layer this step.
 
-Rows whose step ``reads_hidden`` (On-Demand Attention) are scored by the server's recall head
-between the first run and ``reruns``: the adapter hands over each row's final hidden state (the LM
-head's input) and its token's embedding; the committed run's final hidden state is kept per row
-(``commit_hidden``) as the next step's ``prev_h``; the prefill's seeds the first (``prefill_hidden``).
+What a row's step reads of the forward besides the logits (``DecodeStep.forward_outputs``: final
+hidden states, input embeddings) the adapter captures for the batch when one of its rows asks
+(``forward_outputs``) and hands over: the first run's to ``reruns``, where each step's row states score
+it (``RowState.first_run_scores``), the kept run's (or a prefill chunk's) to ``after_run``. The runner
+names no step; each step's server-wide resources come from ``step_resources``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any, Callable
 import torch
 
 from sglang_kvx.decode import DECODE_STEPS, DecodeStep, Span
-from sglang_kvx.decode.row_state import RowFacts, RowState, Visibility
+from sglang_kvx.decode.base import StepUnavailable
+from sglang_kvx.decode.row_state import ForwardOutputs, RowFacts, RowState, Visibility
 from sglang_kvx.ports import KVPool, Request
 from sglang_kvx.store import CompactedContext, PrefixCells
 
@@ -65,14 +67,25 @@ class DecodeRow:
 
 
 BatchKeysOf = Callable[[int, int], torch.Tensor]  # (batch index, n) -> that row's first n keys [Hkv, n, D]
-RecallScorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (prev_h, emb, local_h) -> [n]
+
+
+def step_resources(config: Any, device: torch.device | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every registered step's server-wide resources (``DecodeStep.load_resources``), and why this server
+    cannot run the steps that are unavailable (their requests are refused with it)."""
+    resources, unavailable = {}, {}
+    for name, step_class in DECODE_STEPS.items():
+        try:
+            resources[name] = step_class.load_resources(config, device)
+        except StepUnavailable as why:
+            unavailable[name] = str(why)
+    return resources, unavailable
 
 
 class DecodeRunner:
-    def __init__(self, pool: KVPool, scorer: RecallScorer | None = None, facts: RowFacts | None = None) -> None:
+    def __init__(self, pool: KVPool, facts: RowFacts | None = None, unavailable: dict[str, str] | None = None) -> None:
         self.pool = pool
-        self.scorer = scorer  # the recall head for steps that read hidden states (None: none loaded)
         self.facts = facts or RowFacts(pool)  # what every row state may use; its totals are the steps' figures
+        self.unavailable = dict(unavailable or {})  # step name -> why this server cannot run it
         for step_class in DECODE_STEPS.values():  # every registered step's figures, at zero until it runs
             for name, zero in step_class.totals(pool.num_layers).items():
                 self.facts.totals.setdefault(name, zero)
@@ -125,32 +138,27 @@ class DecodeRunner:
                 self._fail(state, exc)
         return may_rerun
 
-    def routed(self, rows: list[int]) -> list[int]:
-        """Indices (in ``rows``) of the rows whose step reads hidden states."""
-        return [i for i, row in enumerate(rows) if (state := self._live(row)) is not None and state.step.reads_hidden]
+    def forward_outputs(self, rows: list[int]) -> frozenset[str]:
+        """What the steps of ``rows`` read of this forward besides the logits (``DecodeStep.forward_outputs``)."""
+        wanted: frozenset[str] = frozenset()
+        for row in rows:
+            if (state := self._live(row)) is not None:
+                wanted |= state.step.forward_outputs
+        return wanted
 
-    def prefill_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
-        """A prefill (or a chunk of it) ran: each routed row's last final hidden state seeds prev_h."""
-        for i in self.routed(rows):
-            self.rows[rows[i]].own.prev_hidden = hidden[i].detach().clone()
+    def after_run(self, rows: list[int], outputs: ForwardOutputs | None) -> None:
+        """The forward the batch keeps (a prefill chunk, a decode step's committed run) produced ``outputs``:
+        each row whose step reads them gets its own."""
+        for i, row in enumerate(rows):
+            state = self._live(row)
+            if outputs is not None and state is not None and state.step.forward_outputs:
+                self._contain(state, lambda: state.own.after_run(outputs, i))
 
-    def _scores(self, batch_rows: list[int], rows: list[int], local_hidden: torch.Tensor | None,
-                embeddings: torch.Tensor | None) -> dict[int, float]:
-        """The recall head's score of each routed row's first run (one batched call)."""
-        routed = [row for row in rows if (state := self._live(row)) is not None and state.step.reads_hidden
-                  and state.own.prev_hidden is not None]
-        if not routed or self.scorer is None or local_hidden is None or embeddings is None:
-            return {}
-        index = torch.tensor([batch_rows.index(row) for row in routed], device=local_hidden.device)
-        prev = torch.stack([self.rows[row].own.prev_hidden for row in routed]).to(local_hidden.device)
-        scores = self.scorer(prev, embeddings[index], local_hidden[index]).float().cpu().tolist()
-        return dict(zip(routed, scores))
-
-    def reruns(self, rows: list[int], batch_rows: list[int] | None = None, local_hidden: torch.Tensor | None = None,
-               embeddings: torch.Tensor | None = None) -> list[int]:
-        """Rows whose step asks to run again with another span (set now). ``local_hidden`` and
-        ``embeddings`` ([batch, hidden], in ``batch_rows`` order) feed the recall head."""
-        scores = self._scores(batch_rows or rows, rows, local_hidden, embeddings)
+    def reruns(self, rows: list[int], batch_rows: list[int] | None = None,
+               outputs: ForwardOutputs | None = None) -> list[int]:
+        """Rows whose step asks to run again with another span (set now), from each row state's score of the
+        first run (``outputs``: what it produced, in ``batch_rows`` order)."""
+        scores = _first_run_scores(self, rows, batch_rows or rows, outputs)
         again = []
         for row in rows:
             state = self._live(row)
@@ -171,11 +179,6 @@ class DecodeRunner:
     def count_rerun(self, partial: bool) -> None:
         self.rerun_forwards += 1
         self.partial_reruns += partial
-
-    def commit_hidden(self, rows: list[int], hidden: torch.Tensor) -> None:
-        """The step is done: each routed row's committed final hidden state is its next prev_h."""
-        for i in self.routed(rows):
-            self.rows[rows[i]].own.prev_hidden = hidden[i].detach().clone()
 
     # --- what each row reads, asked by the attention backend one layer at a time ------------
 
@@ -299,6 +302,27 @@ class DecodeRunner:
 
     def forget_all(self) -> None:
         self.rows.clear()
+
+
+def _first_run_scores(runner: DecodeRunner, rows: list[int], batch_rows: list[int],
+                      outputs: ForwardOutputs | None) -> dict[int, float | None]:
+    """Each row's score of its first run: the rows of one row-state class in one call (a step scoring with a
+    model batches it); a class that raises fails its rows."""
+    by_class: dict[type, list[tuple[int, DecodeRow]]] = {}
+    for row in rows:
+        if (state := runner._live(row)) is not None:
+            by_class.setdefault(type(state.own), []).append((row, state))
+    scores: dict[int, float | None] = {}
+    for state_class, members in by_class.items():
+        try:
+            found = state_class.first_run_scores([state.own for _, state in members],
+                                                 [batch_rows.index(row) for row, _ in members], outputs)
+        except Exception as exc:  # noqa: BLE001 - contained to these rows' requests
+            for _, state in members:
+                runner._fail(state, exc)
+            continue
+        scores.update((row, score) for (row, _), score in zip(members, found))
+    return scores
 
 
 def _masked_rows(runner: DecodeRunner, layer: int, rows: list[int], seq_lens: list[int],

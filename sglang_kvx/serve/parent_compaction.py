@@ -53,6 +53,7 @@ class ParentCompaction:
         self.skipped_no_room = 0
         self.degenerate = 0  # parents whose settings keep no entry
         self.skipped_keeps_all = 0  # parents whose kept entries, in whole pages, fill the whole context
+        self.incomplete_recordings = 0  # parents whose recording missed layers (never compacted from it)
 
     def contained(self, work: Callable[[], None], request: Request) -> None:
         try:
@@ -82,6 +83,12 @@ class ParentCompaction:
                 state.outcome = {"compacted": False, "pending": f"{settings.policy}'s passes run first; see /kvx/stats"}
             return
         recording = self.recorder.take(request.row)
+        if recording is not None and (why := recording.incomplete()) is not None:
+            self.incomplete_recordings += 1
+            self.failed(why)
+            state.outcome = {"compacted": False, "reason": why}
+            logger.warning("sglang_kvx: a %d-token parent stays uncompacted: %s", len(request.input_ids), why)
+            return
         n = len(request.input_ids)
         if n - settings.protected_prefix_len < MIN_COMPACTED_TOKENS:
             state.outcome = {"compacted": False, "reason": f"a context of {n} tokens is too short to compact"}

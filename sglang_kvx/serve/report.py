@@ -20,6 +20,8 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "compactions_skipped_no_room": runtime.parents.skipped_no_room,
         "compactions_skipped_empty": runtime.parents.degenerate,
         "compactions_skipped_keeps_all": runtime.parents.skipped_keeps_all,
+        # Parents whose recording missed layers (a forward ran without the plugin's hooks): left uncompacted.
+        "compactions_failed_incomplete_recording": runtime.parents.incomplete_recordings,
         "compactions_failed": runtime.failures,
         "contexts_evicted": runtime.admission.eviction.evicted,
         "evictions_deferred_to_waiting": runtime.admission.eviction.deferred,

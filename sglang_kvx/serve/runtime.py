@@ -21,7 +21,7 @@ import torch
 
 from sglang_kvx.compact.compactor import Compactor
 from sglang_kvx.compact.second_pass import SecondPassRunner
-from sglang_kvx.config import KvxConfig, KvxConfigError, load_recall_head, make_policy
+from sglang_kvx.config import KvxConfig, KvxConfigError, make_policy
 from sglang_kvx.decode.row_state import RowFacts
 from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
@@ -29,7 +29,7 @@ from sglang_kvx.ports import KVPool, Request, RoundBudget, TensorParallel
 from sglang_kvx.serve.admission import Admission
 from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE
 from sglang_kvx.serve.report import runtime_counts, runtime_stats
-from sglang_kvx.serve.decoding import DecodeRunner
+from sglang_kvx.serve.decoding import DecodeRunner, step_resources
 from sglang_kvx.serve.parent_compaction import ParentCompaction
 from sglang_kvx.serve.shared_prefixes import AutoContexts
 from sglang_kvx.serve.sparse_index import SparseIndex
@@ -65,12 +65,10 @@ class Runtime:
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq, gdn_layer_ids, attention_layer_ids)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths, defaults.page_size)
-        # On-Demand Attention's recall head, when one is trained for this model (else oda is refused).
-        self.recall_head = load_recall_head(config) if config.decode_steps and config.oda_head else None
-        if self.recall_head is not None:
-            self.recall_head.to(pool.device)
-        self.decode = DecodeRunner(pool, self.recall_head, RowFacts(pool, gates=gates, model_path=config.model_path,
-                                                                   recall_head=self.recall_head))
+        # Each decode step's server-wide resources (On-Demand Attention's recall head), or why it cannot run here.
+        resources, unavailable = step_resources(config, pool.device) if config.decode_steps else ({}, {})
+        self.decode = DecodeRunner(pool, RowFacts(pool, gates=gates, model_path=config.model_path, resources=resources),
+                                   unavailable)
         self.sparse_index = SparseIndex()  # the indexer's compressed keys per row (--kvx-sparse-attention)
         self.submit = submit
         self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
@@ -140,10 +138,9 @@ class Runtime:
             request.hide_from_client()  # a parent the server queued itself: no client waits for it
         plan = self.admission.before_round(request, internal_context=self.second_pass.context_of_pass(request.rid))
         state = request.state
-        if (state is not None and state.decode is not None and self.recall_head is None and not request.holds_kv
-                and not request.finished and state.decode.step_class.reads_hidden):
-            request.abort(f"sglang_kvx: decode step {state.decode.step!r} needs a recall head trained for this model; "
-                          f"the server has none (--kvx-oda-head)")
+        if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
+                and (problem := self.decode.unavailable.get(state.decode.step))):
+            request.abort(f"sglang_kvx: decode step {state.decode.step!r} cannot be served by this server: {problem}")
             return None
         if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
                 and (problem := state.decode.step_class.serving_problem(self.config.model_path))):

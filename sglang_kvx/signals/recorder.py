@@ -5,6 +5,11 @@ is a registered unit (``signals.base.Signal``: its hooks, its accumulation, what
 ``SignalRecorder`` is called by the adapter from inside SGLang's forward with plain tensors and a
 ``Batch`` view, and hands each tap to the signals of the rows it concerns: after an attention layer
 (the chunk's queries, read once and only if some signal reads them), an output gate, a GDN layer.
+
+A recording counts the tokens each tapped layer handed over against the tokens its row prefilled
+(``expect``, told once per forward batch from outside the forward): when a forward ran without the
+plugin's hooks (a captured graph's replay), some layers saw fewer, and the context is left uncompacted
+with that reason (``Recording.incomplete``) instead of being compacted from partial signals.
 """
 
 from __future__ import annotations
@@ -47,6 +52,27 @@ def tensor_bytes(value: Any) -> int:
     return 0
 
 
+class IncompleteRecording(RuntimeError):
+    """A recording some layers did not see whole: its context is never compacted from it."""
+
+
+# The taps a recording's signals are fed by, and which of them every recording uses.
+ATTENTION, ATTENTION_INPUT, OUTPUT_GATE, GDN = "attention", "attention input", "output gate", "GDN"
+
+
+def _taps(signals: dict[str, Signal]) -> set[str]:
+    taps = {ATTENTION}  # every signal is told of every attention layer (on_attention_layer)
+    for signal in signals.values():
+        kind = type(signal)
+        if kind.on_gdn is not Signal.on_gdn or kind.on_gdn_inputs is not Signal.on_gdn_inputs:
+            taps.add(GDN)
+        if kind.on_output_gate is not Signal.on_output_gate:
+            taps.add(OUTPUT_GATE)
+        if signal.reads_attention_inputs:
+            taps.add(ATTENTION_INPUT)
+    return taps
+
+
 class Recording:
     """What one parent's prefill (or one second pass) recorded so far: a state per signal."""
 
@@ -62,6 +88,25 @@ class Recording:
         self.peak_bytes = 0  # the most this recording held at once (checked where chunk scoring peaks)
         self.seconds = 0.0  # spent recording inside the forward
         self.failed: str | None = None  # why recording stopped (the context then stays uncompacted)
+        self.num_layers = num_layers
+        self.gdn_layer_ids = list(setup.gdn_layer_ids)
+        self.taps = _taps(self.signals)
+        self.expected = 0  # tokens its row ran through the model so far (``SignalRecorder.expect``)
+        self.seen: dict[tuple[str, int], int] = {}  # (tap, layer) -> tokens handed over there
+
+    def saw(self, tap: str, layer: int, tokens: int) -> None:
+        self.seen[(tap, layer)] = self.seen.get((tap, layer), 0) + tokens
+
+    def incomplete(self) -> str | None:
+        """Why this recording cannot be trusted whole (None: every tapped layer saw every token its row ran)."""
+        for tap in sorted(self.taps):
+            layers = self.gdn_layer_ids if tap == GDN else range(self.num_layers)
+            whole = sum(self.seen.get((tap, layer), 0) == self.expected for layer in layers)
+            if whole < len(layers):
+                return (f"the prefill handed its {tap} signals over whole in {whole} of {len(layers)} layers for the "
+                        f"{self.expected} tokens it ran (a forward ran without the plugin's hooks, e.g. a captured "
+                        f"graph's replay); the context stays uncompacted rather than compacted from partial signals")
+        return None
 
     def state(self, name: str) -> Any:
         return self.states[name]
@@ -90,6 +135,8 @@ class Recording:
         """Put everything recorded into ``signals`` (a parent seen whole: n tokens per signal)."""
         if self.failed is not None:
             raise RuntimeError(f"sglang_kvx: recording this context's signals failed ({self.failed})")
+        if (why := self.incomplete()) is not None:
+            raise IncompleteRecording(f"sglang_kvx: {why}")
         for name, signal in self.signals.items():
             signal.fill(self.states[name], signals)
 
@@ -122,6 +169,13 @@ class SignalRecorder:
     def clear(self) -> None:
         self.recordings.clear()
 
+    def expect(self, batch: Batch) -> None:
+        """A forward batch is about to run (told from outside the forward): each recorded row's tokens in it."""
+        if self.recordings and batch.is_extend:
+            for seg in batch.segments:
+                if (rec := self.recordings.get(seg.row)) is not None:
+                    rec.expected += seg.length
+
     def _recorded(self, batch: Batch) -> list[tuple[Segment, Recording]]:
         if not self.recordings or not batch.is_extend:
             return []
@@ -132,6 +186,7 @@ class SignalRecorder:
         """After attention layer ``layer`` ran (its KV is in the pool): each recorded row's signals see the chunk."""
         for seg, rec in self._recorded(batch):
             positions = range(seg.prefix_len, seg.prefix_len + seg.length)
+            rec.saw(ATTENTION, layer, seg.length)
             with rec.timed():
                 for name, signal in rec.signals.items():
                     signal.on_attention_layer(rec.states[name], layer, positions)
@@ -160,6 +215,7 @@ class SignalRecorder:
             if not rec.reads_attention_inputs:
                 continue
             positions = range(seg.prefix_len, seg.prefix_len + seg.length)
+            rec.saw(ATTENTION_INPUT, layer, seg.length)
             with rec.timed():
                 for name, signal in rec.signals.items():
                     if signal.reads_attention_inputs:
@@ -169,6 +225,7 @@ class SignalRecorder:
         """Before a GDN layer runs (GPU route): its inputs for every parent token in the batch."""
         for seg, rec in self._recorded(batch):
             rows = slice(seg.start, seg.start + seg.length)
+            rec.saw(GDN, layer.layer_id, seg.length)
             with rec.timed():
                 for name, signal in rec.signals.items():
                     signal.on_gdn_inputs(rec.states[name], layer, mixed_qkv, rows, a[rows], b[rows])
@@ -178,6 +235,7 @@ class SignalRecorder:
         rec = self.recordings.get(row)
         if rec is None or rec.failed is not None:
             return
+        rec.saw(GDN, layer_id, int(beta.shape[0]))
         with rec.timed():
             v_norm = None
             for name, signal in rec.signals.items():
@@ -190,6 +248,7 @@ class SignalRecorder:
     def output_gate(self, layer: int, gate: torch.Tensor, batch: Batch, num_q_heads: int) -> None:
         """An attention layer's output gate for the parents' tokens (``num_q_heads``: the heads this rank computes)."""
         for seg, rec in self._recorded(batch):
+            rec.saw(OUTPUT_GATE, layer, seg.length)
             with rec.timed():
                 per_head = gate[seg.start : seg.start + seg.length].reshape(seg.length, num_q_heads, -1)
                 for name, signal in rec.signals.items():

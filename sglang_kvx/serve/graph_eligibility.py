@@ -1,0 +1,56 @@
+"""Whether a forward batch may replay a captured graph, from what its rows' policies and steps declare.
+
+On CUDA SGLang replays captured graphs (a decode graph: the whole forward; a breakable prefill graph:
+everything but the attention and GDN backends' forwards), and a replay runs none of the plugin's Python:
+no hook, no recorder, no mask. A batch therefore runs eagerly whenever one of its rows needs the plugin
+inside the forward. ``eager_reason`` says which need, for decode and prefill graphs alike; the adapter's
+``around_can_run_graph`` asks it after SGLang's own answer, and is the only place that declines. It
+names no policy or step: each declares what it needs (``KVPolicy.captures``: a recording;
+``DecodeStep.forward_outputs``, ``reads_attention``, ``reads_attention_inputs``; a step's span, drops
+and per-head cells; a child's per-layer lengths), so a new one needs no edit here. Every other batch --
+plain rows, children of flat contexts, decode steps running Full -- keeps its graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_kvx.decode.row_state import FINAL_HIDDEN
+from sglang_kvx.ports import Batch
+
+SPARSE = "block-sparse attention"
+RECORDING = "a parent recording its signals"
+PER_LAYER = "a child reading per-layer lengths"
+HIDDEN = "hidden states beyond the graph's capture mode"
+STEP_OUTPUTS = "a decode step reading the forward's final hidden states"
+STEP_INSIDE = "a decode step reading inside the forward"
+STEP_SPAN = "a decode step hiding part of a row"
+
+
+def eager_reason(runtime: Any, batch: Batch, hidden_captured: bool, hidden_beyond: bool = False) -> str | None:
+    """Why ``batch`` must run eagerly (None: it may replay a graph). ``hidden_captured``: the graph captures
+    final hidden states; ``hidden_beyond``: the batch asks for more hidden states than it captured."""
+    if runtime.config.sparse_budget:
+        return SPARSE  # every layer runs the kernel layer's block-sparse ops, with per-row host planning
+    if batch.is_extend and any(row in runtime.recorder.recordings for row in batch.rows):
+        return RECORDING  # its signals are taken from inside every layer
+    if runtime.admission.rows.needs_per_layer_lengths(batch):
+        return PER_LAYER
+    if runtime.decode and (reason := _decode_reason(runtime.decode, batch, hidden_captured)) is not None:
+        return reason
+    return HIDDEN if hidden_beyond else None  # asked by someone else (a client's return_hidden_states)
+
+
+def _decode_reason(decode: Any, batch: Batch, hidden_captured: bool) -> str | None:
+    for row in batch.rows:
+        state = decode.rows.get(row)
+        if state is None or state.failed:
+            continue
+        step = state.step
+        if FINAL_HIDDEN in step.forward_outputs and not hidden_captured:
+            return STEP_OUTPUTS
+        if step.reads_attention or step.reads_attention_inputs:
+            return STEP_INSIDE
+        if batch.is_decode and (not state.span.full or any(e > b for b, e in state.dropped) or state.own.masks):
+            return STEP_SPAN
+    return None
