@@ -20,8 +20,8 @@ FILE_ORDER = (
     "test_attention_backends.py", "test_compaction_e2e.py", "test_oda_e2e.py", "test_policy_registry_e2e.py",
     "test_schemathesis.py",
     # one file each, with servers of their own
-    "test_parallel.py", "test_host_tier_e2e.py", "test_gate_eviction_e2e.py", "test_qwen3_next.py", "test_paged_kv_e2e.py",
-    "test_smollm2.py", "test_qwen3_dense.py",
+    "test_parallel.py", "test_context_dir_e2e.py", "test_tier_soak.py", "test_host_tier_e2e.py", "test_gate_eviction_e2e.py",
+    "test_qwen3_next.py", "test_paged_kv_e2e.py", "test_smollm2.py", "test_qwen3_dense.py",
 )
 GROUPS = {name: "perf" for name in FILE_ORDER[:7]} | {name: "recomputing" for name in FILE_ORDER[7:12]}
 
