@@ -19,6 +19,8 @@ from sglang_kvx.adapter.graph_replay import emulation_asked
 
 logger = logging.getLogger(__name__)
 
+CPU_OVERLAP = "SGLANG_KVX_CPU_OVERLAP"
+
 class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
     """Torch-native attention and sampling, no graphs, no Triton, gloo collectives."""
 
@@ -52,8 +54,10 @@ class KvxCpuPlatform(CpuDeviceMixin, SRTPlatform):
         if server_args.max_mamba_cache_size is None:
             server_args.max_mamba_cache_size = 256
         # The overlap scheduler hides GPU latency behind CPU scheduling; with the
-        # CPU doing both, it only adds a thread. It also breaks hybrid models here.
-        server_args.disable_overlap_schedule = True
+        # CPU doing both, it only adds work. SGLANG_KVX_CPU_OVERLAP=1 keeps it (the
+        # tests run GPU's scheduling order this way).
+        if os.environ.get(CPU_OVERLAP) != "1":
+            server_args.disable_overlap_schedule = True
 
     def is_pin_memory_available(self, device=None) -> bool:
         return False

@@ -49,6 +49,9 @@ def load() -> None:
     )
     _register_gated_models()
     _register_platform_defaults()
+    from sglang_kvx.adapter.resolution import register_resolution
+
+    register_resolution()  # what the plugin turns off of SGLang's GPU defaults, by name
     _register_attention_backend()
     _register_gdn_backend()
     _register_graph_emulation()
