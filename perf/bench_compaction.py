@@ -14,8 +14,8 @@ context's attention KV; the time of one child on the compacted context (16-token
 32 tokens out); and how many compacted sessions fit in the pool versus uncompacted.
 ``parent_frac_of_prefill`` is the whole parent request (its prefill with whatever it records, second
 passes, scoring, compaction) over the plain prefill: what a context costs end to end. ``--policies``
-runs a subset (a policy whose resources the model lacks -- GateSight's estimators, KVzap's surrogates
--- is refused by the server, so name the ones it has). Per policy also the peak bytes of the signals the parent's prefill recorded (measured on the
+runs a subset; without it, a policy the server refuses for this model (a 4xx: GateSight's estimators,
+KVzap's surrogates trained for another checkpoint) is reported as ``refused`` and skipped. Per policy also the peak bytes of the signals the parent's prefill recorded (measured on the
 server: every tensor its recording holds, at its largest) beside one float32 [n, query heads]
 tensor per attention layer and, on a hybrid, float32 beta, g and ||v|| of every GDN layer for
 the whole context (both computed: what full-context copies of all layers would hold; GateSight
@@ -121,7 +121,13 @@ def main() -> None:
         for i, policy in enumerate(policies):
             before = server.stats()["kv_pool_free_tokens"]
             t0 = time.perf_counter()
-            prefill(context_ids(n, i), {"policy": policy, "keep_fraction": p})
+            try:
+                prefill(context_ids(n, i), {"policy": policy, "keep_fraction": p})
+            except requests.HTTPError as exc:  # a policy whose resources this model lacks (KVzap's surrogates)
+                if args.policies or exc.response is None or not 400 <= exc.response.status_code < 500:
+                    raise
+                per_policy[policy] = {"refused": exc.response.text[:300]}
+                continue
             while server.stats(timeout=STEP_TIMEOUT_S)["second_passes_pending"]:  # KVzip compacts after its second pass
                 time.sleep(0.05)
             total_s = time.perf_counter() - t0
@@ -198,6 +204,8 @@ def main() -> None:
                                   f"not a one-chunk server for a {n}-token context")
                 one_chunk.flush()
             for i, policy in enumerate(policies):
+                if "refused" in result["policies"][policy]:
+                    continue
                 requests.post(one_chunk.url + "/generate", json={"input_ids": context_ids(n, i), "sampling_params": {
                     "max_new_tokens": 0, "custom_params": {"kvx": {"policy": policy, "keep_fraction": p}}}},
                     timeout=3600).raise_for_status()
@@ -205,6 +213,8 @@ def main() -> None:
                     time.sleep(0.05)
             whole_keeps = keep_sets(one_chunk.url)
         for policy in policies:
+            if "refused" in result["policies"][policy]:
+                continue
             a, b = chunked_keeps[policy], whole_keeps[policy]
             same = sum(len(set(x) & set(y)) for la, lb in zip(a, b) for x, y in zip(la, lb))
             total = sum(len(y) for lb in b for y in lb)
