@@ -5,7 +5,11 @@ parent restores the context from disk (``restored_from: "disk"``) and answers to
 the child read from the pool does, and as the HF oracle does with the served keep-set. A worker
 killed with kill -9 mid-session: the router takes its children elsewhere, where they restore from
 disk; a server started afresh on the directory (the restart) restores the killed one's contexts,
-and refuses (and removes) a file corrupted on disk, answering its child by a full prefill."""
+and refuses (and removes) a file corrupted on disk, answering its child by a full prefill. Before the kill,
+both workers serve 8 concurrent clients through the router for a while (issue #53 item 7): children
+of the sessions, long plain requests that push contexts out of a worker's pool (they come back from
+the directory), streams closed early and ``max_new_tokens: null`` (``tests/tier_load.py``); both stay
+up, every answer equals its reference and both pools balance when idle."""
 
 from __future__ import annotations
 
@@ -17,17 +21,21 @@ import pytest
 import requests
 
 from sglang_kvx.serve.launcher import ServerProcess
-from test_compaction_e2e import GREEDY, served_keep_set, text
+from test_compaction_e2e import GREEDY, disk_settled, served_keep_set, text
+from tier_load import Book, Mix, Verdict, balance_problem, crash_excerpt, run_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.fresh_process]
 
 POLICY, P = "keydiff", 0.25
+POOL = 4096  # each worker's KV pool and context length
+LOAD_SECONDS = 20  # the concurrent load through the router
 
 
 def worker(path, directory) -> ServerProcess:
-    return ServerProcess(path, "--kvx-policy", POLICY, "--kvx-keep-fraction", str(P), "--context-length", "4096",
-                         "--kvx-context-dir", str(directory), "--kvx-persist-contexts", "on", "--enable-metrics",
-                         max_total_tokens=4096)
+    # No store reserve: the load's long plain requests may push every context out of a worker's pool.
+    return ServerProcess(path, "--kvx-policy", POLICY, "--kvx-keep-fraction", str(P), "--context-length", str(POOL),
+                         "--kvx-min-store-fraction", "0", "--kvx-context-dir", str(directory),
+                         "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=POOL)
 
 
 def ask(url: str, ids: list[int], max_new_tokens: int) -> dict:
@@ -59,6 +67,8 @@ def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_con
             for s, context in enumerate(sessions):
                 parent = ask(router.url, context, 0)
                 assert outcome(parent).get("compacted") is True, parent["meta_info"]
+                for server in (first, second):  # written by its worker's disk thread, found by the other's scan
+                    disk_settled(server, disk_contexts=s + 1)
                 for q in (0, 1, 0, 1):  # each question twice: round robin puts the two on both servers
                     body = ask(router.url, context + questions[q], 6)
                     children.append(outcome(body))
@@ -79,6 +89,31 @@ def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_con
             keep = served_keep_set(owner, len(sessions[0]), POLICY, P)
             expected, _ = ref.compacted_generate(sessions[0], keep, questions[0], 6)
             assert answers[(0, 0)][0] == expected
+
+            # Under load: 8 clients through the router, the sessions' children (the references: each
+            # (session, question)'s first answer above), long plain requests pushing contexts out of a
+            # worker's pool, streams closed early, max_new_tokens null. Both workers stay up.
+            book = Book(ref, sessions, questions, pool={key: outputs[0] for key, outputs in answers.items()})
+            mix = Mix(answer=6, plain_tokens=(2500, POOL - 200), settings={"policy": POLICY, "keep_fraction": P})
+            workers = (first, second)
+            evicted = sum(w.stats()["contexts_evicted"] for w in workers)
+            records = run_load(router.url, book, LOAD_SECONDS, seed=8900, mix=mix, context_length=POOL, timeout=60,
+                               alive=lambda: all(w.proc.poll() is None for w in workers))
+            verdict = Verdict.of(records, book, mix)
+            dead = [f"worker {i} (exit code {w.proc.returncode}):\n{crash_excerpt(w)}"
+                    for i, w in enumerate(workers) if w.proc.poll() is not None]
+            assert not dead, (f"{len(dead)} of 2 workers died under the load; requests that failed:\n"
+                              + "\n".join(verdict.failed[:12]) + "\n" + "\n".join(dead))
+            assert not verdict.failed and not verdict.wrong, (
+                f"{len(verdict.failed)} requests failed, {len(verdict.wrong)} wrong answers of {len(records)}:\n"
+                + "\n".join(verdict.problems()))
+            assert verdict.checked == len(records) and verdict.served["plain"] > 0, dict(verdict.served)
+            assert [balance_problem(w) for w in workers] == [None, None]
+            evicted = sum(w.stats()["contexts_evicted"] for w in workers) - evicted
+            restored = sum(w.stats()["disk_restores"] for w in workers) - len(from_disk)
+            print(f"[kvx router load] {LOAD_SECONDS} s x 8 clients: {len(records)} requests, {verdict.checked} answers "
+                  f"checked ({dict(verdict.served)}), {evicted} contexts pushed out, {restored} restores from disk")
+            assert evicted > 0 and restored > 0, (evicted, restored)  # what the load is for
 
             # kill -9 one worker mid-session: the router sends its children to the other, which restores
             # the contexts the dead one compacted from disk.
