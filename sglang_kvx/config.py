@@ -331,8 +331,6 @@ def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str
                          model_name=traits.architecture if traits is not None else "this model")
     if problem := decode_problem(settings["step"], facts, label=f"--kvx-decode {settings['step']}"):
         raise KvxConfigError(problem)
-    if traits is not None and (problem := DECODE_STEPS[settings["step"]].serving_problem(config.model_path)):
-        raise KvxConfigError(f"--kvx-decode {settings['step']}: {problem}")  # a resource trained for another model
     options = with_checkpoint_tau(settings["step"], settings, config.gate_tau)
     if options is None:
         raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "

@@ -72,8 +72,10 @@ def test_a_surrogate_for_another_checkpoint_or_none_is_refused(references, demo_
         KVzapSurrogate.load(tmp_path / "mlp", model_path=demo_paths["tiny-hybrid-deep"])
     with pytest.raises(SurrogateMismatch, match="holds no KVzap surrogate"):
         KVzapSurrogate.load(tmp_path / "nothing", model_path=demo_paths["tiny-llama"])
+    from sglang_kvx.models.demo import weights_root
+
     with pytest.raises(SurrogateMismatch, match="no KVzap linear surrogate was trained for"):
-        find_surrogate(demo_paths["tiny-hybrid-deep"], "linear")
+        find_surrogate(weights_root() / "tiny-llama-ruler", "linear")  # a checkpoint none is shipped for
     with pytest.raises(SurrogateMismatch, match="reads a linear surrogate"):
         get_policy("kvzap_linear")(surrogate=surrogate)
 
@@ -156,18 +158,25 @@ def test_a_tensor_parallel_rank_scores_its_own_heads(references, context):
 
 
 def test_a_server_without_a_surrogate_for_its_model_refuses_by_name(demo_paths):
-    """At launch (--kvx-policy kvzap, --kvx-decode kvzap) and per decode request (serving_problem): the
-    surrogate trained for another checkpoint is named with the command that trains the right one."""
+    """At launch (--kvx-policy kvzap, --kvx-decode kvzap) and per decode request (the step's
+    load_resources: StepUnavailable): the checkpoint without a surrogate is named with the command that
+    trains one, and so is a --kvx-kvzap-surrogates folder trained for another checkpoint."""
     from sglang_kvx.config import KvxConfigError, build_config
     from sglang_kvx.decode import DECODE_STEPS
+    from sglang_kvx.decode.base import StepUnavailable
+    from sglang_kvx.models.demo import weights_root
 
-    hybrid = demo_paths["tiny-hybrid-deep"]
+    ruler = str(weights_root() / "tiny-llama-ruler")  # a dense checkpoint no surrogate is shipped for
     with pytest.raises(KvxConfigError, match="no KVzap mlp surrogate was trained for .*train_kvzap --model"):
-        build_config("kvzap", "0.5", hybrid)
+        build_config("kvzap", "0.5", ruler)
     with pytest.raises(KvxConfigError, match="--kvx-decode kvzap_linear: no KVzap linear surrogate"):
-        build_config("none", "1.0", hybrid, decode="kvzap_linear")
-    assert "no KVzap mlp surrogate" in DECODE_STEPS["kvzap"].serving_problem(hybrid)
-    assert DECODE_STEPS["kvzap"].serving_problem(demo_paths["tiny-llama"]) is None
+        build_config("none", "1.0", ruler, decode="kvzap_linear")
+    config = build_config("none", "1.0", demo_paths["tiny-llama"], decode_steps="on")
+    assert DECODE_STEPS["kvzap"].load_resources(config).num_layers == 4
+    other = build_config("none", "1.0", demo_paths["tiny-llama"], decode_steps="on",
+                         kvzap_surrogates=str(weights_root() / "kvzap" / "tiny-hybrid-deep"))
+    with pytest.raises(StepUnavailable, match="trained for model 'tiny-hybrid-deep'"):
+        DECODE_STEPS["kvzap"].load_resources(other)
     assert build_config("kvzap", "1.0", demo_paths["tiny-llama"], kvzap_threshold="-5", kvzap_window="64").kvzap_window == 64
     with pytest.raises(KvxConfigError, match="--kvx-kvzap-threshold must be a finite number"):
         build_config("kvzap", "1.0", demo_paths["tiny-llama"], kvzap_threshold="nan")

@@ -103,12 +103,6 @@ class DecodeStep:
         cannot run the step (its requests are refused with the reason)."""
         return None
 
-    @classmethod
-    def serving_problem(cls, model_path: str) -> str | None:
-        """Why this server's checkpoint cannot run the step (a resource trained for another model: KVzap's
-        surrogate), or None; checked at launch for ``--kvx-decode`` and per request before it runs."""
-        return None
-
     def first_keep(self, keys: torch.Tensor, attention: torch.Tensor | None) -> torch.Tensor:
         """Per-head eviction, after the prefill: which of its T entries each head keeps, [H, T] bool
         (keys [H, T, D] as cached; attention [H, T] accumulated over the prefill's queries)."""

@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 
 from sglang_kvx.compact.layout import fold_heads
-from sglang_kvx.decode.base import DecodeStep, register_decode_step
+from sglang_kvx.decode.base import DecodeStep, StepUnavailable, register_decode_step
 from sglang_kvx.decode.row_state import RowState
 from sglang_kvx.policies.kvzap import WINDOW, KVzapSurrogate, SurrogateMismatch, find_surrogate
 
@@ -120,9 +120,10 @@ class HeadFold:
 
 
 @functools.lru_cache(maxsize=8)
-def surrogate_for(model_path: str, kind: str) -> KVzapSurrogate:
-    """The served checkpoint's surrogate, loaded once per process (refused when none was trained for it)."""
-    return KVzapSurrogate.load(find_surrogate(model_path, kind), model_path=model_path)
+def surrogate_for(model_path: str, kind: str, folder: str = "") -> KVzapSurrogate:
+    """The checkpoint's ``kind`` surrogate (in ``folder`` when given: ``--kvx-kvzap-surrogates``), loaded
+    once per process; refused (``SurrogateMismatch``) when none was trained for it."""
+    return KVzapSurrogate.load(find_surrogate(model_path, kind, folder or None), model_path=model_path)
 
 
 class KVzapRow(RowState):
@@ -133,7 +134,7 @@ class KVzapRow(RowState):
 
     def __init__(self, step, request, facts) -> None:
         super().__init__(step, request, facts)
-        self.surrogate = surrogate_for(facts.model_path, step.kind)
+        self.surrogate: KVzapSurrogate = facts.resources[step.name]  # its load_resources
         threshold = step.threshold if step.threshold is not None else self.surrogate.manifest.get("threshold")
         if threshold is None:
             raise ValueError(f"decode step {step.name!r}: no threshold given and the surrogate's manifest has none")
@@ -272,12 +273,13 @@ class KVzapDecode(DecodeStep):
     tp_unsafe = "a rank's row would have to score and fold only its own KV heads, which is not built yet"
 
     @classmethod
-    def serving_problem(cls, model_path: str) -> str | None:
+    def load_resources(cls, config, device=None) -> KVzapSurrogate:
+        """The surrogate trained for the served checkpoint (``--kvx-kvzap-surrogates``, else found by its
+        fingerprint); none trained for it: the step's requests are refused with the command that trains one."""
         try:
-            surrogate_for(model_path, cls.kind)
+            return surrogate_for(str(config.model_path or ""), cls.kind, getattr(config, "kvzap_surrogates", "") or "")
         except (SurrogateMismatch, OSError) as exc:
-            return str(exc)
-        return None
+            raise StepUnavailable(str(exc)) from None
 
     @classmethod
     def totals(cls, num_layers: int) -> dict:

@@ -142,10 +142,6 @@ class Runtime:
                 and (problem := self.decode.unavailable.get(state.decode.step))):
             request.abort(f"sglang_kvx: decode step {state.decode.step!r} cannot be served by this server: {problem}")
             return None
-        if (state is not None and state.decode is not None and not request.holds_kv and not request.finished
-                and (problem := state.decode.step_class.serving_problem(self.config.model_path))):
-            request.abort(f"sglang_kvx: decode step {state.decode.step!r} cannot be served by this server: {problem}")
-            return None
         if plan.kind == PLAN_CHILD:
             return CHILD
         if plan.queued:
