@@ -23,6 +23,7 @@ from typing import Any
 import requests
 from tqdm import tqdm
 
+from sglang_kvx.policies import get_policy
 from sglang_kvx.eval.scoring import METRICS, postprocess
 from sglang_kvx.eval.tasks import SESSION_TASKS, TASKS, generate_sample, generate_session
 from sglang_kvx.serve.launcher import flush_cache
@@ -93,7 +94,7 @@ def evaluate(
             kvx = {"compact": False} if policy == FULL else {
                 **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": protected_prefix_len}
             _generate(url, context, 0, kvx)  # the parent
-            if kvx.get("policy") == "kvzip":
+            if kvx.get("policy") and get_policy(kvx["policy"]).second_pass:  # KVzip, KVzip+
                 wait_for_second_passes(url)
             for question, answers in turns:
                 prediction = _generate(url, context + question, max_new_tokens, kvx)["text"]
