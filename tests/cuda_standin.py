@@ -17,8 +17,8 @@ beyond its config (FlashInfer and sgl-kernel are whatever the installed wheels a
 from __future__ import annotations
 
 import contextlib
-import io
 import json
+import logging
 import os
 import sys
 from types import SimpleNamespace
@@ -99,15 +99,28 @@ def main() -> None:
 
     with contextlib.redirect_stdout(sys.stderr):
         load_plugins()  # as launch_server does first
+    lines = Lines()
+    logging.getLogger("sglang_kvx").addHandler(lines)  # not the root: SGLang reconfigures that one
     for line in sys.stdin:
-        logs = io.StringIO()
+        lines.records.clear()
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 answer = {"resolved": resolve(json.loads(line))}
         except BaseException as exc:  # noqa: BLE001 - the test reports what SGLang said
             answer = {"error": f"{type(exc).__name__}: {exc}"}
+        answer["plugin_log"] = [text for text in lines.records if text.startswith("sglang_kvx:")]
         print(json.dumps(answer, default=str), flush=True)
-        del logs
+
+
+class Lines(logging.Handler):
+    """Every log line of one resolution (what the plugin said it turned off)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage())
 
 
 if __name__ == "__main__":

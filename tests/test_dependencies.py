@@ -112,7 +112,7 @@ def test_extras_by_role_and_setup_installs_what_the_tests_need():
     assert "matplotlib" in extras["eval"]
     assert {"gguf", "accelerate"} <= extras["gguf"]
     assert extras["eval"] | extras["gguf"] | {"pytest", "pytest-xdist"} <= extras["test"]  # test.sh runs two workers
-    assert "cupy-cuda12x" in extras["gpu"]
+    assert any(name.startswith("cupy-cuda") for name in extras["gpu"])  # its CUDA major: tests/test_gpu_defaults.py
     # the README's commands run scripts/setup.sh, which installs the test extra
     assert '-e ".[test]"' in (ROOT / "scripts" / "setup.sh").read_text()
     for script in ("demo.sh", "test.sh"):

@@ -8,7 +8,6 @@ rides on the scheduler's request-to-token pool and on every forward batch built 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -53,6 +52,24 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
         attach(holder, link)
     tap_attention_inputs(runner.model)  # attention layers' input hidden states, for what reads them
+    warm_up_kernels(config, runtime)
+
+
+def warm_up_kernels(config, runtime) -> None:
+    """Compile and check, on tiny shapes, each kernel this server's configuration will run (``ops/warmup.py``),
+    here at start rather than inside the first request that needs it; one that fails falls back to its reference."""
+    from sglang_kvx.ops.warmup import warm_up
+
+    ops = ["prefix_attention"]  # children of contexts with per-layer lengths
+    if config.decode_steps:
+        ops += ["window_attention"] + (["state_snapshot"] if runtime.pool.has_state else [])
+    if "gdn" in runtime.defaults.model_signals:
+        ops.append("gatesight_utility")
+    if runtime.decode.facts.gates is not None:  # the learned-gate family's attention backend
+        ops.append("gated_attention")
+    if config.sparse_budget:
+        ops += ["block_compress", "block_select", "block_sparse_attention"]
+    warm_up(ops, runtime.pool.device)
 
 
 def _metrics(labels):
@@ -96,23 +113,17 @@ def build_runtime(scheduler, config):
     from sglang_kvx.adapter.model import attention_and_gdn_layer_ids, rope_inv_freq
     from sglang_kvx.config import traits_of_config
     from sglang_kvx.serve.runtime import Runtime
-    from sglang_kvx.decode import parse_decode_settings
     from sglang_kvx.settings import ServerDefaults
 
     runner = scheduler.tp_worker.model_runner
     hf = runner.model_config.hf_text_config
     attention_ids, gdn_ids = attention_and_gdn_layer_ids(runner.model_config.hf_config)
     pool = SGLangKVPool(scheduler, attention_ids)
-    defaults = ServerDefaults(
-        policy=config.policy, keep_fraction=config.keep_fraction, protected_prefix_len=config.protected_prefix_len,
-        model_signals=traits_of_config(runner.model_config.hf_config.to_dict()).signals,
+    # Every flag's typed value as the launcher validated it, and what only this process knows.
+    defaults = ServerDefaults.of(
+        config, model_signals=traits_of_config(runner.model_config.hf_config.to_dict()).signals,
         tp_size=int(scheduler.tp_size), per_layer_lengths=has_per_layer_lengths(runner.attn_backend),
-        min_store_fraction=config.min_store_fraction, growth_estimate_cap=growth_estimate_cap(),
-        decode=parse_decode_settings(json.loads(config.decode)) if config.decode else None,
-        gate_tau=config.gate_tau, page_size=int(scheduler.page_size), sparse_budget=config.sparse_budget,
-        decode_steps=config.decode_steps, reserved_tenants=config.reserved_tenants, host_store_gb=config.host_store_gb,
-        context_dir=config.context_dir, disk_store_gb=config.disk_store_gb, persist_contexts=config.persist_contexts,
-        context_secret_file=config.context_secret_file,
+        growth_estimate_cap=growth_estimate_cap(), page_size=int(scheduler.page_size),
         model_fingerprint=context_file_fingerprint(scheduler, pool, attention_ids, gdn_ids) if config.context_dir else "",
     )
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.config import KvxConfig
+from sglang_kvx.ops.dispatch import fallbacks
 
 
 def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any]:
@@ -16,7 +17,7 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
         "policy": config.policy,
         "keep_fraction": config.keep_fraction,
         # Every --kvx-* setting the server runs with (a benchmark pointed at it with --url reads them).
-        "settings": config.to_dict(),
+        "settings": config.report(),
         "kv_pool_total_tokens": int(scheduler.max_total_num_tokens),
         "kv_pool_free_tokens": int(allocator.available_size()),
         # Tokens held by the radix cache that no running request uses: free on demand.
@@ -31,6 +32,8 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
     link = link_of(scheduler.req_to_token_pool)
     if link is not None:  # batches the plugin kept off captured graphs, by reason (around_can_run_graph)
         stats["graph_declines"] = dict(link.graph_declines)
+    # Kernels that failed at their start-up check or inside a forward: the torch reference serves them now.
+    stats["op_fallbacks"] = fallbacks()
     if runtime is not None:
         total, free = stats["kv_pool_total_tokens"], stats["kv_pool_free_tokens"]
         stats["protected_prefix_len"] = config.protected_prefix_len

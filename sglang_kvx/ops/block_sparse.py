@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from sglang_kvx.ops.block_layout import BLOCK
-from sglang_kvx.ops.dispatch import choose, where_offered
+from sglang_kvx.ops.dispatch import choose, run, where_offered
 from sglang_kvx.ops.flashinfer_plans import DecodePlans, flashinfer_shapes
 
 __all__ = ["BLOCK", "block_sparse_attention", "compress_blocks", "paged_block_sparse_attention", "row_blocks",
@@ -95,16 +95,19 @@ def compress_blocks_reference(k_cache: torch.Tensor, block_slots: torch.Tensor,
 def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str | None = None,
                     extra_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch (op ``block_compress``): CuPy on CUDA where it imports (else Triton on CUDA), the reference elsewhere."""
-    chosen = choose("block_compress", impl, k_cache.device)
-    if chosen == "cupy":
+
+    def cupy(*args):
         from sglang_kvx.ops.cupy_block_sparse import compress_blocks_cupy
 
-        return compress_blocks_cupy(k_cache, block_slots, extra_keys)
-    if chosen == "triton":
+        return compress_blocks_cupy(*args)
+
+    def triton(*args):
         from sglang_kvx.ops.triton_block_sparse import compress_blocks_triton
 
-        return compress_blocks_triton(k_cache, block_slots, extra_keys)
-    return compress_blocks_reference(k_cache, block_slots, extra_keys)
+        return compress_blocks_triton(*args)
+
+    return run("block_compress", impl, choose("block_compress", impl, k_cache.device), compress_blocks_reference,
+               {"cupy": cupy, "triton": triton}, k_cache, block_slots, extra_keys)
 
 
 def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
@@ -160,12 +163,14 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
         raise ValueError(f"budget_blocks must hold the {sink_blocks} sink blocks and the local one, got {budget_blocks}")
     if bool((block_to <= block_from).any()):
         raise ValueError("every query must see at least its own block")
-    if choose("block_select", impl, q.device) == "triton":
+
+    def triton(*args):
         from sglang_kvx.ops.triton_block_sparse import block_scores_triton
 
-        scores = block_scores_triton(q, block_keys, block_from, block_to, scaling)
-    else:
-        scores = block_scores_reference(q, block_keys, block_from, block_to, scaling)
+        return block_scores_triton(*args)
+
+    scores = run("block_select", impl, choose("block_select", impl, q.device), block_scores_reference,
+                 {"triton": triton}, q, block_keys, block_from, block_to, scaling)
     return _pick(scores, block_from, block_to, budget_blocks, sink_blocks)
 
 
@@ -212,19 +217,20 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             return None
         return flashinfer_shapes(q, k_cache, v_cache) or (None if in_pool else "every cell in the pool")
 
-    chosen = choose("block_sparse_attention", impl, q.device, supports)
-    if chosen == "flashinfer":
+    def flashinfer(*args):
         from sglang_kvx.ops.flashinfer_block_sparse import block_sparse_attention_flashinfer
 
-        return block_sparse_attention_flashinfer(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                                 q_positions, scaling, plans if plans is not None else DecodePlans())
-    if chosen == "triton":
+        # It reads cells in the pool only (supports): the extra keys and values are empty.
+        return block_sparse_attention_flashinfer(*args[:8], plans if plans is not None else DecodePlans())
+
+    def triton(*args):
         from sglang_kvx.ops.triton_block_sparse import block_sparse_attention_triton
 
-        return block_sparse_attention_triton(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                             q_positions, scaling, extra_keys, extra_values)
-    return block_sparse_attention_reference(q, k_cache, v_cache, block_slots, block_positions, selected,
-                                            q_positions, scaling, extra_keys, extra_values)
+        return block_sparse_attention_triton(*args)
+
+    return run("block_sparse_attention", impl, choose("block_sparse_attention", impl, q.device, supports),
+               block_sparse_attention_reference, {"flashinfer": flashinfer, "triton": triton}, q, k_cache, v_cache,
+               block_slots, block_positions, selected, q_positions, scaling, extra_keys, extra_values)
 
 
 def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

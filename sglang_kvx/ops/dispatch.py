@@ -12,16 +12,24 @@ and CuPy for CUDA. ``choose(op, impl, device)`` picks one, in this order:
 An implementation asked for by name (argument or environment) that cannot run the call raises
 RuntimeError saying what it needs; one the op does not offer raises ValueError. Triton runs on CPU
 tensors only under ``TRITON_INTERPRET=1`` (its interpreter, used by the tests).
+
+An implementation chosen by auto or the environment that raises (``run``), or that fails its check at
+start (``ops/warmup.py``), is replaced by the torch reference for the rest of the process: the call is
+answered by the reference, the failure logged once and listed by ``fallbacks`` (``/kvx/stats``). Other
+implementations can be registered by name (``register_implementation``: a plugin's kernel, a test's).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 ENV = "SGLANG_KVX_OPS_IMPL"
 OPS: dict[str, tuple[str, ...]] = {  # op -> its implementations, auto's order of preference on CUDA
@@ -40,10 +48,61 @@ _RETIRED = {"SGLANG_KVX_BLOCK_SPARSE_IMPL": "block_sparse_attention", "SGLANG_KV
 # A call's own limits: given an implementation's name, None when the call can run there, else why not.
 Supports = Callable[[str], "str | None"]
 
+_EXTRA: dict[str, dict[str, Callable]] = {}  # op -> implementations registered from outside, by name
+_FALLEN_BACK: dict[str, dict] = {}  # op -> what failed: {"impl", "error", "where"}; it runs its reference since
+
+
+def register_implementation(op: str, name: str, fn: Callable) -> None:
+    """Another implementation of ``op``, called with the op's reference's arguments; chosen only by name (the
+    ``impl`` argument or ``SGLANG_KVX_OPS_IMPL``), never by auto."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r} (one of {', '.join(OPS)})")
+    _EXTRA.setdefault(op, {})[name] = fn
+    if name not in OPS[op]:
+        OPS[op] = (*OPS[op], name)
+    _parse.cache_clear()
+
+
+def fall_back(op: str, impl: str, error: BaseException | str, where: str) -> None:
+    """``op``'s ``impl`` failed (``where``: at the warm-up, in a forward): its reference serves it from now on."""
+    if op in _FALLEN_BACK:
+        return
+    reason = error if isinstance(error, str) else f"{type(error).__name__}: {str(error)[:200]}"
+    _FALLEN_BACK[op] = {"impl": impl, "error": reason, "where": where}
+    logger.warning("sglang_kvx: op %s: the %s implementation failed %s (%s); the torch reference serves it "
+                   "for the rest of this process", op, impl, "at its start-up check" if where == "warm-up" else
+                   "inside a forward", reason)
+
+
+def fallbacks() -> dict[str, dict]:
+    """Every op that fell back to its reference in this process, with what failed where."""
+    return {op: dict(entry) for op, entry in _FALLEN_BACK.items()}
+
+
+def run(op: str, impl: str | None, chosen: str, reference: Callable, implementations: dict[str, Callable],
+        *args, **kwargs):
+    """Call ``op``'s ``chosen`` implementation (one of ``implementations``, or one registered) with the
+    reference's arguments. When one chosen by auto or the environment raises, the reference answers the call
+    and serves the op from now on; one the caller named (``impl``: a test of that kernel) raises."""
+    if chosen == "torch":
+        return reference(*args, **kwargs)
+    fn = implementations.get(chosen) or _EXTRA.get(op, {}).get(chosen)
+    if fn is None:
+        raise ValueError(f"{op}: no implementation {chosen!r}")
+    if impl not in (None, "auto"):
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - contained: the reference answers, the failure is reported
+        fall_back(op, chosen, exc, "forward")
+        return reference(*args, **kwargs)
+
 
 def choose(op: str, impl: str | None, device: torch.device, supports: Supports | None = None) -> str:
     """The implementation ``op`` runs for a call on ``device`` (see the module doc)."""
     offers = OPS[op]
+    if impl in (None, "auto") and op in _FALLEN_BACK:
+        return "torch"  # its chosen implementation failed in this process
     asked = impl if impl not in (None, "auto") else _from_env(op)
     if asked is None:  # auto
         if device.type != "cuda":
@@ -56,7 +115,7 @@ def choose(op: str, impl: str | None, device: torch.device, supports: Supports |
     if asked != "torch":
         why = _missing(asked, device) or (supports(asked) if supports is not None else None)
         if why is not None:
-            raise RuntimeError(f"the {_NAMES[asked]} {op.replace('_', ' ')} needs {why}")
+            raise RuntimeError(f"the {_NAMES.get(asked, asked)} {op.replace('_', ' ')} needs {why}")
     return asked
 
 
@@ -133,7 +192,7 @@ def _parse(value: str) -> dict[str, str]:
         op, sep, impl = entry.partition("=")
         if not sep:
             op, impl = None, entry
-        if impl not in ("auto", *_NAMES):
+        if impl not in ("auto", *_NAMES, *(name for extra in _EXTRA.values() for name in extra)):
             raise ValueError(f"{ENV}: {entry!r}: the implementation must be one of auto, {', '.join(_NAMES)}")
         if op is None:
             if bare is not None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.dispatch import choose, run
 from sglang_kvx.ops.gated_layout import KINDS, FoldedKeys
 
 __all__ = ["KINDS", "FoldedKeys", "gated_attention", "gated_attention_reference"]
@@ -117,11 +117,11 @@ def gated_attention(
     def supports(name: str) -> str | None:
         return "rows without per-head keep masks or weight sums" if name == "triton" and per_head else None
 
-    if choose("gated_attention", impl, q.device, supports) == "triton":
+    def triton(*args, folded=None, key_keep=None, weight_sums=None):
         from sglang_kvx.ops.triton_gated_attention import gated_attention_triton
 
-        return gated_attention_triton(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
-                                      q_positions, tau, kind, scaling, gate_eps, folded=folded)
-    return gated_attention_reference(q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens,
-                                     q_positions, tau, kind, scaling, gate_eps, folded=folded, key_keep=key_keep,
-                                     weight_sums=weight_sums)
+        return gated_attention_triton(*args, folded=folded)  # per-head rows never choose it (supports)
+
+    return run("gated_attention", impl, choose("gated_attention", impl, q.device, supports), gated_attention_reference,
+               {"triton": triton}, q, k_cache, v_cache, key_gate, req_to_token, rows, seq_lens, q_lens, q_positions,
+               tau, kind, scaling, gate_eps, folded=folded, key_keep=key_keep, weight_sums=weight_sums)

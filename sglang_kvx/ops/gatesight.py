@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.dispatch import choose, run
 
 
 def mlp_utility_reference(
@@ -41,12 +41,15 @@ def mlp_utility(
 ) -> torch.Tensor:
     """[L, H, n] float32 utilities. impl: see ``ops/dispatch.py`` (op ``gatesight_utility``; auto:
     Triton on CUDA, torch elsewhere)."""
-    if choose("gatesight_utility", impl, features.device) != "triton":
-        return mlp_utility_reference(features, w1, b1, w2, b2)
-    from sglang_kvx.ops.triton_gatesight import mlp_utility_triton
 
-    _check_shapes(features, w1, b1, w2, b2)
-    return mlp_utility_triton(features, w1, b1, w2, b2)
+    def triton(*args):
+        from sglang_kvx.ops.triton_gatesight import mlp_utility_triton
+
+        _check_shapes(*args)
+        return mlp_utility_triton(*args)
+
+    return run("gatesight_utility", impl, choose("gatesight_utility", impl, features.device), mlp_utility_reference,
+               {"triton": triton}, features, w1, b1, w2, b2)
 
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.dispatch import choose, run
 
 
 def prefix_cells_attention_reference(
@@ -88,11 +88,14 @@ def prefix_cells_attention(
         raise ValueError(f"extra_counts must be [B, Hkv] = [{rows.numel()}, {kv_heads}], got {tuple(extra_counts.shape)}")
     args = (q, k_cache, v_cache, req_to_token, rows, seq_lens, q_lens, hidden_from, hidden_to,
             extra_k, extra_v, extra_indptr, scaling, k_scale, v_scale, extra_counts)
-    if choose("prefix_attention", impl, q.device) != "triton":
-        return prefix_cells_attention_reference(*args)
-    from sglang_kvx.ops.triton_prefix_attention import prefix_cells_attention_triton
 
-    return prefix_cells_attention_triton(*args)
+    def triton(*args):
+        from sglang_kvx.ops.triton_prefix_attention import prefix_cells_attention_triton
+
+        return prefix_cells_attention_triton(*args)
+
+    return run("prefix_attention", impl, choose("prefix_attention", impl, q.device), prefix_cells_attention_reference,
+               {"triton": triton}, *args)
 
 
 def _per_head(hidden: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.dispatch import choose, run
 
 # The kernels copy raw bits: a state is reinterpreted as the integer type of its element size.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -44,11 +44,14 @@ def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
         shape[dim] = index.numel()
         snapshot = torch.empty(shape, dtype=state.dtype, device=state.device)
         src, dst = _rows_view(state, dim), _rows_view(snapshot, dim)
-        backend = _backend(impl, state)
-        if backend is None or src is None or index.numel() == 0:
+        chosen = choose("state_snapshot", impl, state.device)
+        if src is None or index.numel() == 0:
+            chosen = "torch"  # no raw-bits view of this state: the reference copies it
+
+        def reference(*_, state=state, dim=dim, index=index, snapshot=snapshot, **__):
             torch.index_select(state, dim, index, out=snapshot)
-        else:
-            backend(src, dst, index, scatter=False)
+
+        run("state_snapshot", impl, chosen, reference, _KERNELS, src, dst, index, scatter=False)
         snapshots.append(snapshot)
     return snapshots
 
@@ -67,11 +70,14 @@ def restore_states(states: Sequence[torch.Tensor], slots: torch.Tensor, snapshot
             raise ValueError(f"a snapshot {tuple(saved.shape)} {saved.dtype} does not fit state "
                              f"{tuple(state.shape)} {state.dtype} at slot dim {dim} with {index.numel()} slots")
         src, dst = _rows_view(saved, dim), _rows_view(state, dim)
-        backend = _backend(impl, state)
-        if backend is None or src is None or dst is None or index.numel() == 0:
+        chosen = choose("state_snapshot", impl, state.device)
+        if src is None or dst is None or index.numel() == 0:
+            chosen = "torch"
+
+        def reference(*_, state=state, dim=dim, index=index, saved=saved, **__):
             state.index_copy_(dim, index, saved)
-        else:
-            backend(src, dst, index, scatter=True)
+
+        run("state_snapshot", impl, chosen, reference, _KERNELS, src, dst, index, scatter=True)
 
 
 def _slot_dims(states: Sequence[torch.Tensor], slot_dim: int | Sequence[int]) -> list[int]:
@@ -115,14 +121,17 @@ def _rows_view(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     return view.view(_BITS[t.element_size()]) if t.element_size() in _BITS else None
 
 
-def _backend(impl: str | None, state: torch.Tensor):
-    chosen = choose("state_snapshot", impl, state.device)
-    if chosen == "cupy":
-        from sglang_kvx.ops.cupy_state_snapshot import copy_rows_cupy
+def _cupy(*args, **kwargs):
+    from sglang_kvx.ops.cupy_state_snapshot import copy_rows_cupy
 
-        return copy_rows_cupy
-    if chosen == "triton":
-        from sglang_kvx.ops.triton_state_snapshot import copy_rows_triton
+    return copy_rows_cupy(*args, **kwargs)
 
-        return copy_rows_triton
-    return None
+
+def _triton(*args, **kwargs):
+    from sglang_kvx.ops.triton_state_snapshot import copy_rows_triton
+
+    return copy_rows_triton(*args, **kwargs)
+
+
+# The kernels copy rows of raw-bits views (src, dst, index, scatter); the reference copies the states themselves.
+_KERNELS = {"cupy": _cupy, "triton": _triton}

@@ -23,7 +23,7 @@ from collections.abc import Hashable
 
 import torch
 
-from sglang_kvx.ops.dispatch import choose
+from sglang_kvx.ops.dispatch import choose, run
 from sglang_kvx.ops.flashinfer_plans import DecodePlans, flashinfer_shapes
 from sglang_kvx.ops.window_ranges import window_key_ranges
 
@@ -77,12 +77,16 @@ def window_attention(
     args = (q, k_cache, v_cache, req_to_token, rows, seq_lens, sinks, window, scaling, k_scale, v_scale)
     chosen = choose("window_attention", impl, q.device,
                     lambda name: flashinfer_shapes(q, k_cache, v_cache) if name == "flashinfer" else None)
-    if chosen == "flashinfer":
+
+    def flashinfer(*args):
         from sglang_kvx.ops.flashinfer_window_attention import window_attention_flashinfer
 
         return window_attention_flashinfer(*args, plans=plans if plans is not None else DecodePlans(), plan_key=plan_key)
-    if chosen == "triton":
+
+    def triton(*args):
         from sglang_kvx.ops.triton_window_attention import window_attention_triton
 
         return window_attention_triton(*args)
-    return window_attention_reference(*args)
+
+    return run("window_attention", impl, chosen, window_attention_reference,
+               {"flashinfer": flashinfer, "triton": triton}, *args)
