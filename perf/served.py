@@ -61,9 +61,9 @@ class Served:
         return bool(self.settings["decode_steps"])
 
     @property
-    def default_decode(self) -> str:
-        """``--kvx-decode``: the step every request runs unless it names its own, as JSON ("" = none)."""
-        return str(self.settings["decode"])
+    def default_decode(self) -> dict | None:
+        """``--kvx-decode``: the step every request runs unless it names its own, as its JSON object (None: none)."""
+        return self.settings["decode"] or None
 
     @property
     def sparse_budget(self) -> int:

@@ -60,7 +60,7 @@ def policy_problem(policy: str, allocation: str, facts: ServingFacts, *, label: 
 
 
 def decode_problem(step: str | None, facts: ServingFacts, *, label: str, step_label: str = "") -> str | None:
-    """Why the decode step ``step`` (None: any, as a server's ``--kvx-decode-steps on`` allows) cannot run here."""
+    """Why the decode step ``step`` (None: any, as a server's ``--kvx-decode-steps`` allows) cannot run here."""
     if facts.sparse_budget:
         return (f"{label}: decode-time steps cannot run under --kvx-sparse-attention yet (block-sparse attention "
                 f"reads the whole row, slots a step evicted included)")

@@ -12,13 +12,13 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, field, make_dataclass, replace
+from dataclasses import field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from sglang_kvx.checkpoint import text_config
 from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
-from sglang_kvx.decode import DECODE_STEPS
+from sglang_kvx.decode import DECODE_STEPS, DecodeSettings
 from sglang_kvx.decode.base import StepUnavailable
 from sglang_kvx.policies import KVPolicy, ModelTraits, get_policy, policy_names, servable_policy_names
 from sglang_kvx.schema import FLAG_SETTINGS, Setting, _short
@@ -40,7 +40,15 @@ class _ConfigMethods:
         return get_policy(self.policy).compacts or self.decode_steps or self.sparse_budget > 0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field's typed value (a decode step stays its DecodeSettings)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def report(self) -> dict[str, Any]:
+        """Every field as JSON (what /kvx/stats shows): a decode step as its JSON object."""
+        out = self.to_dict()
+        if out["decode"] is not None:
+            out["decode"] = {"step": out["decode"].step, **dict(out["decode"].options)}
+        return out
 
 
 def _flag_value(setting: Setting, raw: Any) -> Any:
@@ -70,9 +78,13 @@ def flag_choices() -> list[str]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     # Kept as strings on the command line and parsed here, so a bad value gets our one-line error
     # rather than argparse's usage dump of every SGLang flag.
+    # An on/off setting is also SGLang's store_true form: the flag alone means on.
     group = parser.add_argument_group("sglang_kvx (KV compaction)")
     for setting in FLAG_SETTINGS:
-        group.add_argument(setting.flag, dest=setting.dest, type=str, default=setting.default, help=setting.help)
+        switch = {"nargs": "?", "const": "on"} if setting.is_switch else {}
+        group.add_argument(setting.flag, dest=setting.dest, type=str, default=setting.default,
+                           help=setting.help_text().replace("%", "%%") + (" (default: %(default)s)" if setting.default else ""),
+                           **switch)
 
 
 def layer_kinds(cfg: dict[str, Any]) -> list[str]:
@@ -270,7 +282,7 @@ def check_context_dir(config: KvxConfig, tp_size: int) -> None:
         write_atomic(path, MARKER, MARKER_TEXT.encode())
     except OSError as exc:
         if config.persist_contexts:
-            raise KvxConfigError(f"--kvx-persist-contexts on: --kvx-context-dir {_short(config.context_dir)} cannot be "
+            raise KvxConfigError(f"--kvx-persist-contexts: --kvx-context-dir {_short(config.context_dir)} cannot be "
                                  f"written ({exc.strerror})") from None
         logger.warning("sglang_kvx: --kvx-context-dir %s cannot be written (%s): the disk tier only reads it",
                        config.context_dir, exc.strerror)
@@ -312,7 +324,7 @@ def check_step_resources(config: KvxConfig) -> None:
     """Every decode step's server-wide resources (``DecodeStep.load_resources``: On-Demand Attention's recall
     head) from this launch's settings: wrong settings are refused, and so is ``--kvx-decode``'s step when this
     server cannot run it (a step merely unavailable is refused per request instead)."""
-    default = json.loads(config.decode)["step"] if config.decode else None
+    default = config.decode.step if config.decode else None
     for name, step_class in DECODE_STEPS.items():
         try:
             step_class.load_resources(config)
@@ -323,10 +335,10 @@ def check_step_resources(config: KvxConfig) -> None:
             raise KvxConfigError(str(exc)) from None
 
 
-def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str:
+def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> DecodeSettings:
     """The server's decode step against the model (``checks.decode_problem``): what it reads must be
-    there; a gate step without a tau takes the checkpoint's. Returns the canonical JSON, completed."""
-    settings = json.loads(config.decode)
+    there; a gate step without a tau takes the checkpoint's. Returns the settings, completed."""
+    settings = {"step": config.decode.step, **dict(config.decode.options)}
     facts = ServingFacts(model_signals=traits.signals if traits is not None else None,
                          model_name=traits.architecture if traits is not None else "this model")
     if problem := decode_problem(settings["step"], facts, label=f"--kvx-decode {settings['step']}"):
@@ -335,7 +347,7 @@ def check_decode_for_model(config: KvxConfig, traits: ModelTraits | None) -> str
     if options is None:
         raise KvxConfigError(f"--kvx-decode {settings['step']} needs a threshold: the checkpoint's manifest.json has "
                              f"no tau; pass --kvx-decode '{{\"step\": \"{settings['step']}\", \"tau\": 0.05}}'")
-    return json.dumps(options, sort_keys=True)
+    return DecodeSettings(settings["step"], tuple(sorted((k, v) for k, v in options.items() if k != "step")))
 
 
 def make_policy(name: str, config: KvxConfig) -> KVPolicy:

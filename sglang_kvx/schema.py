@@ -1,17 +1,20 @@
 """Every setting of the extension, declared once: its ``--kvx-*`` flag, its ``custom_params.kvx``
-request field, its default, its range, its help and its parsing.
+request field, its default, its kind (range, parsing, messages) and its help.
 
 From ``SETTINGS`` come the launcher's flags and their help (``config.add_cli_args``), the server
-config's fields (``config.KvxConfig``), ``Engine``'s keyword arguments (``adapter/engine.py``), the
-door's parsing of a request's fields and its messages (``settings.parse_request_fields``) and the
-hostile-input battery the tests run against every flag. The checks of a value against the model and
-the server's other flags stay where those facts are known (``config.build_config`` at launch,
-``settings.resolve_settings`` per request).
+config's fields (``config.KvxConfig``) and the scheduler's (``settings.ServerDefaults``, the same typed
+values plus what the server knows), ``Engine``'s keyword arguments (``adapter/engine.py``), the door's
+parsing of a request's fields and its messages (``settings.parse_request_fields``, ``adapter/door.py``)
+and the hostile-input battery the tests run against every flag. Adding a setting is one ``Setting``
+here and the code that reads it. The checks of a value against the model and the server's other flags
+stay where those facts are known (``config.build_config`` at launch, ``settings.resolve_settings`` per
+request).
 
-A flag arrives as a string (the command line, or an ``Engine`` keyword): ``from_flag`` parses it and
-raises ``ValueError`` with a one-line message naming the flag. A request field arrives as JSON:
-``from_field`` checks its type strictly (``"0.5"`` is not a number, ``true`` is not 1) and raises
-``ValueError`` naming ``custom_params.kvx.<field>``; None means not sent.
+Each setting has one ``Kind``: one parser for a flag's text (the command line, an ``Engine`` keyword)
+and a request's JSON alike. Text is first read as the value it spells (``"0.5"`` -> 0.5, ``"on"`` ->
+true, a decode step's JSON or name -> its object); JSON is taken as it is (``"0.5"`` is not a number,
+``true`` is not 1); then one range check, and one message naming the flag or the field, which never
+echoes a large value.
 """
 
 from __future__ import annotations
@@ -29,17 +32,191 @@ MAX_TOKENS = (1 << 31) - 1  # SGLang's token positions are int32
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
 
 
+def _short(value: Any) -> str:
+    """A value for an error message: its type for containers and long strings, never the value."""
+    if isinstance(value, (dict, list, tuple)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 32 else f"a string of {len(value)} characters"
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    text = repr(value)
+    return text if len(text) <= 32 else f"a number of {len(text)} digits"
+
+
+# --- kinds of values ----------------------------------------------------------------------------------
+
+
+class Kind:
+    """How one kind of setting is read. ``parse(value, label, text)``: ``text`` (a flag) is first read as
+    the JSON value it spells (``from_text``), then both take ``check``; ``label`` names the flag or field."""
+
+    def parse(self, value: Any, label: str, text: bool = False) -> Any:
+        return self.check(self.from_text(value, label) if text else value, label)
+
+    def from_text(self, raw: Any, label: str) -> Any:
+        return raw
+
+    def check(self, value: Any, label: str) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Number(Kind):
+    """A finite number in [low, high] (``low_open`` / ``high_open`` exclude that end; ``whole``: an
+    integer; ``empty``: "" or null mean none)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    whole: bool = False
+    unit: str = ""  # said in the message: "a number of GB"
+    empty: bool = False
+
+    @property
+    def expects(self) -> str:
+        if self.whole:
+            return f"a whole number in [{self.low:g}, {self.high:g}]" if self.high < MAX_TOKENS else f"a whole number >= {self.low:g}"
+        span = f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"a{' finite' if not self.unit and self.low < 0 else ''} number{' of ' + self.unit if self.unit else ''} in {span}"
+
+    def from_text(self, raw: Any, label: str) -> Any:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return raw  # an Engine keyword given as a number
+        if self.empty and raw in (None, ""):
+            return None
+        try:
+            return int(raw) if self.whole else float(raw)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{label} must be {self.expects}, got {_short(raw)}") from None
+
+    def check(self, value: Any, label: str) -> Any:
+        if value is None and self.empty:
+            return None
+        kinds = int if self.whole else (int, float)
+        ok = isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+        if ok:
+            ok = (self.low < value if self.low_open else self.low <= value) and (
+                value < self.high if self.high_open else value <= self.high)
+        if not ok:
+            raise ValueError(f"{label} must be {self.expects}, got {_short(value)}")
+        return value if self.whole else float(value)
+
+
+@dataclass(frozen=True)
+class Switch(Kind):
+    """On or off: JSON true / false; on a command line 'on' / 'off', or the flag alone (SGLang's
+    store_true booleans), which the launcher passes as 'on'."""
+
+    def from_text(self, raw: Any, label: str) -> Any:
+        if isinstance(raw, bool):
+            return raw
+        if raw not in ("on", "off"):
+            raise ValueError(f"{label} must be 'on' or 'off' (or given alone for on), got {_short(raw)}")
+        return raw == "on"
+
+    def check(self, value: Any, label: str) -> Any:
+        if not isinstance(value, bool):
+            raise ValueError(f"{label} must be true or false, got {_short(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Text(Kind):
+    """A string; ``path``: a file system path ("" = none), at most 4096 characters, no NUL."""
+
+    path: bool = False
+
+    def from_text(self, raw: Any, label: str) -> Any:
+        return str(raw or "")
+
+    def check(self, value: Any, label: str) -> Any:
+        if not isinstance(value, str):
+            raise ValueError(f"{label} must be a string, got {_short(value)}")
+        if self.path and (len(value) > 4096 or "\0" in value):
+            raise ValueError(f"{label} must be a path of at most 4096 characters, got {_short(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Name(Kind):
+    """One of a registry's names (listed in the message)."""
+
+    choices: Callable[[], list[str]]
+
+    def check(self, value: Any, label: str) -> Any:
+        valid = self.choices()
+        if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or value not in valid:
+            raise ValueError(f"{label} must be a string naming one of the valid choices: {', '.join(valid)}, "
+                             f"got {_short(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Tenant(Kind):
+    def check(self, value: Any, label: str) -> Any:
+        if not isinstance(value, str) or TENANT_PATTERN.fullmatch(value) is None:
+            raise ValueError(f"{label} must be a string of 1 to 64 letters, digits or ._:@-, got {_short(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Decode(Kind):
+    """A decode step and its options: JSON ``{"step": ..., ...}``; on a command line that JSON, or the
+    step's name alone. The value is the typed ``decode.DecodeSettings`` ("" / null: none)."""
+
+    def from_text(self, raw: Any, label: str) -> Any:
+        raw = (raw or "").strip() if isinstance(raw, str) else raw
+        if not raw or not isinstance(raw, str):
+            return raw or None
+        if not raw.startswith("{"):
+            return {"step": raw}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{label} is not valid JSON ({exc.msg})") from None
+
+    def check(self, value: Any, label: str) -> Any:
+        from sglang_kvx.decode import parse_decode_settings
+
+        return parse_decode_settings(value, field=label)
+
+
+@dataclass(frozen=True)
+class SparseBudget(Number):
+    """Block-sparse attention's token budget: 0, or a multiple of the block of at least two blocks."""
+
+    def check(self, value: Any, label: str) -> Any:
+        from sglang_kvx.ops.block_layout import BLOCK
+
+        budget = super().check(value, label)
+        if budget and (budget % BLOCK or budget < 2 * BLOCK):
+            raise ValueError(f"{label} must be 0 or a multiple of {BLOCK} of at least {2 * BLOCK} "
+                             f"(the first block and a query's own), got {budget}")
+        return budget
+
+
+FRACTION = Number(0.0, 1.0, low_open=True)
+SHARE = Number(0.0, 1.0, high_open=True)
+COUNT = Number(0, MAX_TOKENS, whole=True)
+GIGABYTES = Number(0.0, float(1 << 20), unit="GB")
+PATH = Text(path=True)
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One setting. ``flag``: it is a launcher flag (``--kvx-<name>``), parsed by ``from_flag`` into the
-    server config's ``attr``; ``from_field``: it is a request field (``custom_params.kvx.<name>``)."""
+    """One setting: ``flag`` -- a launcher flag ``--kvx-<name>`` (its text ``default``) whose typed value
+    is the server config's ``attr``; ``field`` -- a request field ``custom_params.kvx.<name>``."""
 
     name: str
     help: str
+    kind: Kind
     default: str | None = None  # the flag's default, as typed on a command line
-    from_flag: Callable[[str], Any] | None = None
+    flag_too: bool = True
+    field_too: bool = False
     attr: str = ""  # the server config's attribute ("" = name)
-    from_field: Callable[[Any], Any] | None = None
+    field_kind: Kind | None = None  # the field's own kind, where it is narrower than the flag's
 
     @property
     def flag(self) -> str:
@@ -54,180 +231,25 @@ class Setting:
     def config_attr(self) -> str:
         return self.attr or self.name
 
+    @property
+    def is_switch(self) -> bool:
+        return isinstance(self.kind, Switch)
 
-# --- values on the command line ---------------------------------------------------------------------
+    def from_flag(self, raw: Any) -> Any:
+        """The flag's typed value from its text (raises ValueError naming the flag)."""
+        return self.kind.parse(raw, self.flag, text=True)
 
+    def from_field(self, value: Any) -> Any:
+        """The request field's typed value from JSON (None: not sent; raises ValueError naming the field)."""
+        return None if value is None else (self.field_kind or self.kind).parse(value, f"{FIELD_PREFIX}.{self.name}")
 
-def _text(raw: str) -> str:
-    return str(raw or "")
+    def help_text(self) -> str:
+        """The help, with any list it names read from its registry now (``{decode_steps}``)."""
+        if "{decode_steps}" not in self.help:
+            return self.help
+        from sglang_kvx.decode import decode_step_names
 
-
-def flag_path(raw: str, flag: str) -> str:
-    """A file system path ("" = none): at most 4096 characters, none of them NUL (what the OS takes)."""
-    path = str(raw or "")
-    if len(path) > 4096 or "\0" in path:
-        raise ValueError(f"{flag} must be a path of at most 4096 characters, got {_short(path)}")
-    return path
-
-
-def flag_fraction(raw: str | float, flag: str = "--kvx-keep-fraction", low_open: bool = True) -> float:
-    """A number in (0, 1] (``low_open``) or [0, 1)."""
-    bounds = "(0, 1]" if low_open else "[0, 1)"
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag} must be a number in {bounds}, got {_short(raw)}") from None
-    if not (0.0 < value <= 1.0 if low_open else 0.0 <= value < 1.0):
-        raise ValueError(f"{flag} must be in {bounds}, got {value:g}")
-    return value
-
-
-def flag_count(raw: str | int, flag: str, limit: int = MAX_TOKENS) -> int:
-    """A whole number in [0, limit]."""
-    try:
-        value = int(raw)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{flag} must be a whole number >= 0, got {_short(raw)}") from None
-    if value < 0:
-        raise ValueError(f"{flag} must be a whole number >= 0, got {value}")
-    if value > limit:
-        raise ValueError(f"{flag} must be at most {limit}, got {_short(value)}")
-    return value
-
-
-def flag_real(raw: str | float, flag: str, limit: float = 1e6) -> float | None:
-    """A finite number in [-limit, limit], or "" for none (the default comes from elsewhere)."""
-    if raw is None or raw == "":
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{flag} must be a number, got {_short(raw)}") from None
-    if not -limit <= value <= limit:  # NaN fails both comparisons
-        raise ValueError(f"{flag} must be a finite number in [-{limit:g}, {limit:g}], got {_short(raw)}")
-    return value
-
-
-def flag_gigabytes(raw: str | float, flag: str, limit: float = 1 << 20) -> float:
-    """A size in GB in [0, limit] (0 = off): a finite number, so a typo never sizes a tier at infinity."""
-    try:
-        value = float(raw)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{flag} must be a number of GB >= 0, got {_short(raw)}") from None
-    if not 0.0 <= value <= limit:  # NaN fails both comparisons
-        raise ValueError(f"{flag} must be a number of GB in [0, {limit:g}], got {_short(raw)}")
-    return value
-
-
-def flag_on_off(raw: str | bool, flag: str) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    if raw not in ("on", "off"):
-        raise ValueError(f"{flag} must be 'on' or 'off', got {_short(raw)}")
-    return raw == "on"
-
-
-def flag_sparse_budget(raw: str | int) -> int:
-    from sglang_kvx.ops.block_layout import BLOCK
-
-    budget = flag_count(raw, "--kvx-sparse-attention")
-    if budget and (budget % BLOCK or budget < 2 * BLOCK):
-        raise ValueError(f"--kvx-sparse-attention must be 0 or a multiple of {BLOCK} of at least {2 * BLOCK} "
-                         f"(the first block and a query's own), got {budget}")
-    return budget
-
-
-def flag_decode(raw: str) -> str:
-    """``--kvx-decode``: a step name or a JSON object of a step and its options -> canonical JSON."""
-    from sglang_kvx.decode import parse_decode_settings
-
-    raw = (raw or "").strip()
-    if not raw:
-        return ""
-    if raw.startswith("{"):
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--kvx-decode is not valid JSON ({exc.msg})") from None
-    else:
-        value = {"step": raw}
-    settings = parse_decode_settings(value, field="--kvx-decode")
-    return json.dumps({"step": settings.step, **dict(settings.options)}, sort_keys=True)
-
-
-# --- values in a request ----------------------------------------------------------------------------
-
-
-def _short(value: Any) -> str:
-    """A value for an error message: its type for containers and long strings, never the value."""
-    if isinstance(value, (dict, list, tuple)):
-        return f"a JSON {'object' if isinstance(value, dict) else 'array'}"
-    if isinstance(value, str):
-        return repr(value) if len(value) <= 32 else f"a string of {len(value)} characters"
-    if value is None or isinstance(value, bool):
-        return "null" if value is None else str(value).lower()
-    text = repr(value)
-    return text if len(text) <= 32 else f"a number of {len(text)} digits"
-
-
-def field_name(field: str, choices: Callable[[], list[str]]) -> Callable[[Any], str | None]:
-    def parse(value: Any) -> str | None:
-        if value is None:
-            return None
-        valid = choices()
-        if not isinstance(value, str) or len(value) > MAX_NAME_LENGTH or value not in valid:
-            raise ValueError(f"{FIELD_PREFIX}.{field} must be a string naming one of the valid choices: "
-                             f"{', '.join(valid)}; got {_short(value)}")
-        return value
-
-    return parse
-
-
-def field_fraction(field: str) -> Callable[[Any], float | None]:
-    def parse(value: Any) -> float | None:
-        if value is None:
-            return None
-        # bool is an int in Python and "0.5" is not a number: both are refused, not coerced.
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
-            raise ValueError(f"{FIELD_PREFIX}.{field} must be a number in (0, 1]; got {_short(value)}")
-        return float(value)
-
-    return parse
-
-
-def field_count(field: str, limit: int = MAX_TOKENS) -> Callable[[Any], int | None]:
-    def parse(value: Any) -> int | None:
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
-            raise ValueError(f"{FIELD_PREFIX}.{field} must be a whole number in [0, {limit}]; got {_short(value)}")
-        return value
-
-    return parse
-
-
-def field_bool(field: str) -> Callable[[Any], bool | None]:
-    def parse(value: Any) -> bool | None:
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{FIELD_PREFIX}.{field} must be true or false; got {_short(value)}")
-        return value
-
-    return parse
-
-
-def field_tenant(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or TENANT_PATTERN.fullmatch(value) is None:
-        raise ValueError(f"{FIELD_PREFIX}.tenant must be a string of 1 to 64 letters, digits or ._:@-; "
-                         f"got {_short(value)}")
-    return value
-
-
-def field_decode(value: Any):
-    from sglang_kvx.decode import parse_decode_settings
-
-    return parse_decode_settings(value, field=f"{FIELD_PREFIX}.decode")
+        return self.help.replace("{decode_steps}", ", ".join(decode_step_names()))
 
 
 def _policy_names() -> list[str]:
@@ -245,71 +267,74 @@ def _allocation_names() -> list[str]:
 # --- the settings -----------------------------------------------------------------------------------
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("policy", "KV policy applied after a context's prefill ('none' = plain SGLang).",
-            "none", _text, from_field=field_name("policy", _policy_names)),
+    # The flag is any text here (build_config names the servable choices, and none, when it refuses one); a
+    # request names a servable policy.
+    Setting("policy", "KV policy applied after a context's prefill ('none' = plain SGLang).", Text(), "none",
+            field_too=True, field_kind=Name(_policy_names)),
     Setting("keep_fraction", "Fraction p in (0, 1] of a context's KV entries each compacted context keeps.",
-            "1.0", flag_fraction, from_field=field_fraction("keep_fraction")),
+            FRACTION, "1.0", field_too=True),
     Setting("protected_prefix_len", "Leading tokens of every compacted context kept outside the budget "
-            "(per request: custom_params.kvx.protected_prefix_len).",
-            "0", lambda raw: flag_count(raw, "--kvx-protected-prefix-len"), from_field=field_count("protected_prefix_len")),
+            "(per request: custom_params.kvx.protected_prefix_len).", COUNT, "0", field_too=True),
     Setting("allocation", "How a context's budget is shared out over layers and KV heads (default: the policy's).",
-            from_field=field_name("allocation", _allocation_names)),
-    Setting("compact", "false: this parent keeps its full cache (no policy runs on it).", from_field=field_bool("compact")),
+            Name(_allocation_names), flag_too=False, field_too=True),
+    Setting("compact", "false: this parent keeps its full cache (no policy runs on it).", Switch(), flag_too=False,
+            field_too=True),
     Setting("decode", "A decode-time step every generating request runs unless it names its own "
-            "(custom_params.kvx.decode): a step name (oda, streamingllm, span_schedule, sigmoid-gate, h2o, keydiff, kvzap, "
-            "kvzap_linear) "
+            "(custom_params.kvx.decode): a step name ({decode_steps}) "
             "or a JSON object with its options, e.g. '{\"step\": \"oda\", \"window\": 128, \"theta\": 0.5}'. "
-            "Implies --kvx-decode-steps on.", "", flag_decode, from_field=field_decode),
-    Setting("tenant", "Whose contexts these are: each tenant's share of the store's reserve is its own.",
-            from_field=field_tenant),
+            "Implies --kvx-decode-steps.", Decode(), "", field_too=True),
+    Setting("tenant", "Whose contexts these are: each tenant's share of the store's reserve is its own.", Tenant(),
+            flag_too=False, field_too=True),
     Setting("estimator", "GateSight estimator folder (default: the one trained for --model-path, in "
-            "<model>/gatesight or weights/gatesight/).", "", lambda raw: flag_path(raw, "--kvx-estimator")),
+            "<model>/gatesight or weights/gatesight/).", PATH, ""),
     Setting("min_store_fraction", "Share of the KV pool kept for compacted contexts: the most recently used ones "
-            "within it are never evicted to make room.",
-            "0.25", lambda raw: flag_fraction(raw, "--kvx-min-store-fraction", low_open=False)),
+            "within it are never evicted to make room.", SHARE, "0.25"),
     Setting("reserved_tenants", "Tenants (custom_params.kvx.tenant) with a share of that reserve of their own, "
             "first come first served (a tenant keeps its seat while it holds a context); every other tenant shares "
             "one more share with untagged requests, so inventing tenant names cannot dilute a seated tenant's share.",
-            "8", lambda raw: flag_count(raw, "--kvx-reserved-tenants", limit=4096)),
-    Setting("decode_steps", "'on': requests may ask for a decode-time step (custom_params.kvx.decode: StreamingLLM "
-            "eviction, span schedules, On-Demand Attention, learned-gate, online H2O / KeyDiff and KVzap eviction).",
-            "off", lambda raw: flag_on_off(raw, "--kvx-decode-steps")),
+            Number(0, 4096, whole=True), "8"),
+    Setting("decode_steps", "Requests may ask for a decode-time step (custom_params.kvx.decode: {decode_steps}).",
+            Switch(), "off"),
     Setting("auto_context_min_tokens", "Compact, unasked, the beginning plain requests keep repeating once it is at "
             "least this many tokens (a document asked about without marking it; SGLang's threaded frontend fork); "
-            "0 = off (such prefixes are only logged).",
-            "0", lambda raw: flag_count(raw, "--kvx-auto-context-min-tokens")),
+            "0 = off (such prefixes are only logged).", COUNT, "0"),
     Setting("oda_head", "On-Demand Attention's recall head folder (default: the one trained for --model-path, in "
-            "<model>/oda or weights/oda/<model folder name>).", "", lambda raw: flag_path(raw, "--kvx-oda-head")),
+            "<model>/oda or weights/oda/<model folder name>).", PATH, ""),
     Setting("kvzap_surrogates", "KVzap's surrogate folder, holding mlp/ and linear/ (default: the ones trained for "
-            "--model-path, in <model>/kvzap or weights/kvzap/).", "", lambda raw: flag_path(raw, "--kvx-kvzap-surrogates")),
+            "--model-path, in <model>/kvzap or weights/kvzap/).", PATH, ""),
     Setting("kvzap_threshold", "KVzap's threshold tau on each entry's predicted log KVzip+ score: entries under it are "
-            "dropped (default: the surrogate manifest's).", "", lambda raw: flag_real(raw, "--kvx-kvzap-threshold")),
-    Setting("kvzap_window", "KVzap's window: the last N tokens of a context are always kept.", "128",
-            lambda raw: flag_count(raw, "--kvx-kvzap-window")),
+            "dropped (default: the surrogate manifest's).", Number(-1e6, 1e6, empty=True), ""),
+    Setting("kvzap_window", "KVzap's window: the last N tokens of a context are always kept.", COUNT, "128"),
     Setting("sparse_attention", "Block-sparse attention for every request: each query attends to this many tokens "
             "(a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a "
-            "mean-key indexer; 0 = dense attention.", "0", flag_sparse_budget, attr="sparse_budget"),
+            "mean-key indexer; 0 = dense attention.", SparseBudget(0, MAX_TOKENS, whole=True), "0", attr="sparse_budget"),
     Setting("host_store_gb", "Host memory (GB) for compacted contexts evicted from the KV pool: a child of one is "
             "served by copying its kept entries back instead of a new prefill and compaction; least recently used "
-            "first out; 0 = off (an evicted context is dropped).",
-            "0", lambda raw: flag_gigabytes(raw, "--kvx-host-store-gb")),
+            "first out; 0 = off (an evicted context is dropped).", GIGABYTES, "0"),
     Setting("context_dir", "Directory for compacted contexts on disk: those host memory lets go (or the pool evicts, "
             "without a host tier) are written there as safetensors plus a JSON manifest, and a child of one -- on "
             "this server, after a restart, or on another server of the same model sharing the path -- restores it "
-            "instead of a new prefill; \"\" = off.", "", lambda raw: flag_path(raw, "--kvx-context-dir")),
+            "instead of a new prefill; \"\" = off.", PATH, ""),
     Setting("disk_store_gb", "Disk space (GB) this model's context files may take in --kvx-context-dir; least "
-            "recently used first out.", "16", lambda raw: flag_gigabytes(raw, "--kvx-disk-store-gb")),
-    Setting("persist_contexts", "'on': every compacted context is written to --kvx-context-dir as soon as it is "
-            "stored, so it outlives the process (kill -9 included); 'off': only evicted ones are.",
-            "off", lambda raw: flag_on_off(raw, "--kvx-persist-contexts")),
+            "recently used first out.", GIGABYTES, "16"),
+    Setting("persist_contexts", "Every compacted context is written to --kvx-context-dir as soon as it is stored, so "
+            "it outlives the process (kill -9 included); without it only evicted ones are.", Switch(), "off"),
     Setting("context_secret_file", "A file holding a secret (16+ bytes) shared by the servers on --kvx-context-dir: "
             "every manifest they write carries an HMAC with it, and a file without a valid one is refused (a process "
-            "that can write the directory but not read this file cannot make a server serve its bytes).",
-            "", lambda raw: flag_path(raw, "--kvx-context-secret-file")),
+            "that can write the directory but not read this file cannot make a server serve its bytes).", PATH, ""),
     Setting("policy_modules", "Comma-separated Python modules imported first in every server process: each "
             "registers its own policies (@register_policy), decode steps (@register_decode_step) and signals "
-            "(@register_signal).", "", _text),
+            "(@register_signal).", Text(), ""),
 )
 
-FLAG_SETTINGS = tuple(s for s in SETTINGS if s.from_flag is not None)
-FIELD_SETTINGS = tuple(s for s in SETTINGS if s.from_field is not None)
+FLAG_SETTINGS = tuple(s for s in SETTINGS if s.flag_too)
+FIELD_SETTINGS = tuple(s for s in SETTINGS if s.field_too)
+
+
+def flags_table() -> str:
+    """The flags as docs/serving.md lists them (a test holds the page to this)."""
+    rows = ["| flag | default | what it does |", "| --- | --- | --- |"]
+    for setting in FLAG_SETTINGS:
+        form = f"`{setting.flag}`" + (" (alone: on)" if setting.is_switch else "")
+        rows.append(f"| {form} | {f'`{setting.default}`' if setting.default else 'none'} | {setting.help_text()} |")
+    return "\n".join(rows)

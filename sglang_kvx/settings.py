@@ -22,7 +22,7 @@ from typing import Any
 from sglang_kvx.checks import ServingFacts, decode_problem, policy_problem, with_checkpoint_tau
 from sglang_kvx.decode import DecodeSettings
 from sglang_kvx.policies import get_policy, servable_policy_names
-from sglang_kvx.schema import FIELD_PREFIX, FIELD_SETTINGS, MAX_NAME_LENGTH, _short
+from sglang_kvx.schema import FIELD_PREFIX, FIELD_SETTINGS, FLAG_SETTINGS, MAX_NAME_LENGTH, _short
 
 # Set at the door on generating requests with n > 1: SGLang first sends their prompt as a prefill-only
 # warm-up copy (same custom_params), which must not be taken for a context to compact.
@@ -88,36 +88,42 @@ def request_fields_of(custom_params: Any) -> RequestFields:
     return parse_request_fields(custom_params.get("kvx"))
 
 
-@dataclass(frozen=True)
-class ServerDefaults:
-    """The server's flags and what the server can do, as settings resolution needs them."""
-
-    policy: str
-    keep_fraction: float
-    protected_prefix_len: int
-    model_signals: frozenset[str]
-    tp_size: int = 1
-    per_layer_lengths: bool = True  # False on MLA backends: flat budgets only
-    min_store_fraction: float = 0.25  # share of the pool no request can evict compacted contexts from
-    reserved_tenants: int = 8  # tenants with a share of that reserve of their own (the rest share one)
-    growth_estimate_cap: int = 4096  # SGLang's cap on a request's estimated growth when admitting it
-    decode: DecodeSettings | None = None  # --kvx-decode: the step a generating request runs unless it names one
-    gate_tau: float | None = None  # a gated checkpoint's frozen eviction threshold (its manifest's)
-    page_size: int = 1  # SGLang's --page-size
-    sparse_budget: int = 0  # --kvx-sparse-attention (0: dense attention)
-    decode_steps: bool = False  # --kvx-decode-steps on (or --kvx-decode): requests may ask for a decode step
-    host_store_gb: float = 0.0  # --kvx-host-store-gb: host memory for contexts evicted from the pool (0: off)
-    context_dir: str = ""  # --kvx-context-dir: the disk tier's directory ("": off)
-    disk_store_gb: float = 0.0  # --kvx-disk-store-gb: the bytes of this model's files there
-    persist_contexts: bool = False  # --kvx-persist-contexts: every stored context written to disk at once
-    context_secret_file: str = ""  # --kvx-context-secret-file: manifests carry an HMAC with its secret
-    model_fingerprint: str = ""  # what a context file must match to load (store/disk.model_fingerprint)
-
+class _DefaultsMethods:
     @functools.cached_property
     def facts(self) -> ServingFacts:
         """Built once per server (the defaults are frozen); every request's checks read this one."""
         return ServingFacts(tp_size=self.tp_size, page_size=self.page_size, sparse_budget=self.sparse_budget,
                             model_signals=self.model_signals, per_layer_lengths=self.per_layer_lengths)
+
+    @classmethod
+    def of(cls, config: Any, **facts: Any) -> "ServerDefaults":
+        """A scheduler's defaults: every flag's typed value from the launch's ``config.KvxConfig``, and ``facts``."""
+        return cls(**{s.config_attr: getattr(config, s.config_attr) for s in FLAG_SETTINGS},
+                   gate_tau=config.gate_tau, **facts)
+
+
+# What the scheduler knows beyond the flags (the model, SGLang's own settings), with their defaults.
+SERVER_FACTS = (
+    ("tp_size", int, 1),
+    ("per_layer_lengths", bool, True),  # False on MLA backends: flat budgets only
+    ("growth_estimate_cap", int, 4096),  # SGLang's cap on a request's estimated growth when admitting it
+    ("page_size", int, 1),  # SGLang's --page-size
+    ("gate_tau", "float | None", None),  # a gated checkpoint's frozen eviction threshold (its manifest's)
+    ("model_fingerprint", str, ""),  # what a context file must match to load (store/context_file.model_fingerprint)
+)
+_LEADING = tuple(s for s in FLAG_SETTINGS[:3])  # policy, keep_fraction, protected_prefix_len: given first, always
+# The server's settings as the scheduler reads them: the flags' typed values (one field per flag of the
+# schema, as ``config.KvxConfig``), the model's signals and the facts above. Nothing is restated: a new
+# flag of ``schema.SETTINGS`` is here with its parsed default.
+ServerDefaults = make_dataclass(
+    "ServerDefaults",
+    [(s.config_attr, Any) for s in _LEADING] + [("model_signals", frozenset)]
+    + [(name, kind, field(default=default)) for name, kind, default in SERVER_FACTS]
+    + [(s.config_attr, Any, field(default=s.from_flag(s.default))) for s in FLAG_SETTINGS if s not in _LEADING],
+    bases=(_DefaultsMethods,), frozen=True, namespace={"__module__": __name__, "__doc__":
+        "The server's flags (typed, from the schema), the model's signals and what the server can do, as "
+        "settings resolution and admission need them."},
+)
 
 
 def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSettings | None:
@@ -135,7 +141,7 @@ def resolve_decode(fields: RequestFields, server: ServerDefaults) -> DecodeSetti
         raise SettingsError(problem)
     if own is not None and not server.decode_steps and default is None:
         raise SettingsError(f"{FIELD_PREFIX}.decode: this server runs without decode-time steps; launch it with "
-                            f"--kvx-decode-steps on (or --kvx-decode STEP)")
+                            f"--kvx-decode-steps (or --kvx-decode STEP)")
     options = with_checkpoint_tau(settings.step, dict(settings.options), server.gate_tau)
     if options is None:
         raise SettingsError(f"{FIELD_PREFIX}.decode.tau is needed: this checkpoint has no frozen threshold")

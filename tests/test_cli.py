@@ -31,8 +31,8 @@ def our_error_lines(stderr: str) -> list[str]:
     [
         (("--kvx-policy", "bogus"), "unknown --kvx-policy 'bogus'; valid choices: gatesight, h2o, keydiff, knorm, kvzap, kvzap_linear, kvzip, kvzip_plus, none, pyramidkv, random, "
          "snapkv, streamingllm, triattention"),
-        (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be in (0, 1], got 0"),
-        (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be in (0, 1], got 1.5"),
+        (("--kvx-keep-fraction", "0"), "--kvx-keep-fraction must be a number in (0, 1], got 0.0"),
+        (("--kvx-keep-fraction", "1.5"), "--kvx-keep-fraction must be a number in (0, 1], got 1.5"),
         (("--kvx-keep-fraction", "half"), "--kvx-keep-fraction must be a number in (0, 1], got 'half'"),
         (("--kvx-policy", "gatesight"), "--kvx-policy gatesight needs gdn, output_gate, which LlamaForCausalLM does not provide"),
         (("--kvx-decode", "keydiff"), "--kvx-decode keydiff needs decode_attention_weights, which LlamaForCausalLM does not "
@@ -50,7 +50,7 @@ def test_bad_flags_fail_fast_with_one_line(launch_parser, demo_paths, flags, exp
 def test_the_real_launcher_refuses_before_the_model_loads(demo_paths):
     result = launch("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024", "--kvx-keep-fraction", "0")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert our_error_lines(result.stderr) == ["sglang-kvx: error: --kvx-keep-fraction must be in (0, 1], got 0"]
+    assert our_error_lines(result.stderr) == ["sglang-kvx: error: --kvx-keep-fraction must be a number in (0, 1], got 0.0"]
     assert "Load weight" not in result.stdout + result.stderr  # refused before the model loads
 
 
@@ -59,6 +59,28 @@ def test_the_parser_accepts_what_the_launcher_would_start(launch_parser, demo_pa
     result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024",
                                  "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.3")
     assert result.returncode == 0 and our_error_lines(result.stderr) == [], result.stderr[-2000:]
+
+
+def test_on_off_flags_take_sglangs_store_true_form_too(launch_parser, demo_paths, tmp_path):
+    """SGLang's booleans are flags given alone (store_true): ours are too, and 'on' / 'off' still work."""
+    from sglang_kvx.config import add_cli_args, build_config
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(["--kvx-decode-steps", "--kvx-persist-contexts", "--kvx-context-dir", str(tmp_path / "d")])
+    config = build_config("knorm", 0.5, decode_steps=args.kvx_decode_steps, persist_contexts=args.kvx_persist_contexts,
+                          context_dir=args.kvx_context_dir)
+    assert config.decode_steps is True and config.persist_contexts is True
+    assert parser.parse_args(["--kvx-decode-steps", "off"]).kvx_decode_steps == "off"
+    result = launch_parser.parse("--model-path", demo_paths["tiny-llama"], "--max-total-tokens", "1024",
+                                 "--kvx-decode-steps", "--kvx-policy", "keydiff")
+    assert result.returncode == 0 and our_error_lines(result.stderr) == [], result.stderr[-2000:]
+    # The help's list of decode steps is the registry's, read when the help is built.
+    from sglang_kvx.decode import decode_step_names
+
+    help_text = parser.format_help().replace("\n", " ")
+    assert all(name in help_text for name in decode_step_names()), help_text
 
 
 def test_missing_model_path_is_a_clear_error(launch_parser):

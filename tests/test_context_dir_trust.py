@@ -325,7 +325,7 @@ def test_with_a_secret_only_manifests_carrying_its_hmac_are_served(tmp_path):
 
 def test_the_launcher_refuses_tiers_that_cannot_work(tmp_path, demo_paths):
     model = demo_paths["tiny-llama"]
-    with pytest.raises(KvxConfigError, match="--kvx-persist-contexts on: --kvx-context-dir .* cannot be written"):
+    with pytest.raises(KvxConfigError, match="--kvx-persist-contexts: --kvx-context-dir .* cannot be written"):
         build_config("knorm", 0.5, context_dir="/proc/kvx-contexts", persist_contexts="on")
     # tiny-llama: 4 layers x 2 KV heads x 32 dims x K and V x 4 bytes = 2,048 bytes a token.
     with pytest.raises(KvxConfigError, match=r"--kvx-disk-store-gb 1e-12 cannot hold one compacted context: "

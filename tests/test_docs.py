@@ -287,6 +287,13 @@ def flag_problems(flags: dict[str, set[str]]) -> set[str]:
 
 
 @pytest.mark.slow
+def test_the_flags_table_is_the_schemas():
+    """docs/serving.md's table is ``schema.flags_table()`` (regenerate it from there when a setting changes)."""
+    from sglang_kvx.schema import flags_table
+
+    assert flags_table() in (ROOT / "docs" / "serving.md").read_text()
+
+
 @pytest.mark.fresh_process  # the launcher's --help runs in a process of its own (it loads SGLang's plugins)
 def test_every_flag_the_docs_name_is_offered_by_its_command():
     flags = {}

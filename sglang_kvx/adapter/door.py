@@ -78,7 +78,7 @@ def door_problem(*, rid, sampling_params, input_ids, vocab_size: int, generates:
                  if s.name not in PASSIVE_FIELDS and getattr(fields, s.name) not in (None, False)]
         if asked and not extension_active:
             return (f"custom_params.kvx.{asked[0]}: this server runs without the KV extension, which would ignore it; "
-                    f"launch it with --kvx-policy NAME or --kvx-decode-steps on")
+                    f"launch it with --kvx-policy NAME or --kvx-decode-steps")
     if input_ids is not None and generates:
         if len(input_ids) == 0 and (params.get("max_new_tokens") is None or params.get("max_new_tokens") != 0):
             return "the prompt is empty: send text or input_ids with at least one token"

@@ -16,7 +16,7 @@ BUILT_ATTR = "_kvx_config_built"  # (pid, KvxConfig): built once per process, no
 
 
 def attach_config(server_args, config: KvxConfig) -> None:
-    setattr(server_args, CONFIG_ATTR, config.to_dict())
+    setattr(server_args, CONFIG_ATTR, config)  # the typed config itself: it pickles with server_args
     setattr(server_args, BUILT_ATTR, None)
     if config.policy != "none":
         logger.info("sglang_kvx: policy=%s keep_fraction=%g", config.policy, config.keep_fraction)
@@ -28,8 +28,7 @@ def config_of(server_args) -> KvxConfig:
     built = getattr(server_args, BUILT_ATTR, None)
     if built is not None and built[0] == os.getpid():  # server_args travels to child processes pickled
         return built[1]
-    raw = getattr(server_args, CONFIG_ATTR, None)
-    config = KvxConfig(**raw) if raw else KvxConfig()
+    config = getattr(server_args, CONFIG_ATTR, None) or KvxConfig()
     if config.policy_modules:
         from sglang_kvx.config import import_policy_modules
 
