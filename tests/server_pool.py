@@ -217,14 +217,14 @@ class ServerPool:
                 return problem
             time.sleep(0.5)
 
-    def forget_dead(self, server_spec: ServerSpec) -> None:
-        """For a test that found its server dead and fails on that itself, with the log: the server is
-        dropped now (the next test asking for it starts it afresh), so the check after the test does
-        not fail it a second time (an error on top of its failure, or of its ``xfail``)."""
+    def forget(self, server_spec: ServerSpec) -> None:
+        """For a test that found its server dead or leaking and fails on that itself, with the log: the
+        server is stopped and dropped now (the next test asking for it starts it afresh), so the check
+        after the test does not fail it a second time (an error on top of its failure or ``xfail``)."""
         server = self.live.get(server_spec)
-        if server is not None and server.proc is not None and server.proc.poll() is not None:
+        if server is not None:
+            self.restarts += server.proc is not None and server.proc.poll() is not None
             self._drop(server_spec)  # still in ``used``: the test did use a server
-            self.restarts += 1
 
     def _drop(self, server_spec: ServerSpec) -> None:
         server = self.live.pop(server_spec)
