@@ -3,15 +3,19 @@
     python3 perf/gpu_check.py                               # a CUDA machine; needs only torch and triton
     TRITON_INTERPRET=1 python perf/gpu_check.py --smoke     # tiny sizes on CPU (the test suite runs this)
 
-Prints one JSON object: per op and case the largest absolute difference from the torch
-reference against its tolerance (float32 1e-4; bfloat16 outputs 3e-2; block choice: at most 1% of
+Prints one JSON line per op check, then a last line with the verdict: per op and case the largest
+absolute difference from the torch reference against its tolerance (float32 1e-4; bfloat16 outputs 3e-2; block choice: at most 1% of
 ids differing, float ties) and, on CUDA, the median time of the kernel and of the reference
 (ratios within one run); then every served policy's capture -> score -> allocate -> select ->
 compact path (the server's recorder and compactor over a pool of plain device tensors, signals
 fed chunk by chunk as the adapter does) against the same run on the CPU, with GateSight's
 scoring time; then GateSight's scoring against a lower bound on a prefill at Qwen3-Next's layer shape
 at 32K, 64K and 128K tokens (``gatesight_cost``; the seed reports 1.0-1.4%). Exits 1 when any
-check is over its tolerance. ``--plant`` runs the GateSight
+check is over its tolerance. On CUDA also, per op: the host syncs one call makes
+(``torch.cuda.set_sync_debug_mode``) and whether it captures into a ``torch.cuda.graph`` and replays the
+eager result; bf16 state snapshots and windowed attention; and everywhere the server's start-up check of
+every op (``sglang_kvx/ops/warmup.py``; with ``--smoke`` each op's Triton kernel under the interpreter).
+``--plant`` runs the GateSight
 MLP check with a planted wrong kernel (its output bias dropped) to show a mismatch fails the script.
 Written to be the one short script a session with a lent GPU runs first.
 """
@@ -461,6 +465,72 @@ def _wall(fn) -> float:
     return time.perf_counter() - t0
 
 
+def check_warm_up(device: torch.device, smoke: bool) -> list[dict]:
+    """The server's start-up check of every op (``sglang_kvx/ops/warmup.py``): each chosen kernel against its
+    reference on tiny shapes (under ``--smoke`` every op's Triton kernel, in the interpreter)."""
+    import os
+
+    from sglang_kvx.ops import dispatch
+    from sglang_kvx.ops.warmup import every_op, warm_up
+
+    previous = os.environ.get(dispatch.ENV)
+    if smoke:
+        os.environ[dispatch.ENV] = "triton"  # on CPU auto is the reference: warm the Triton kernels instead
+        dispatch._parse.cache_clear()
+    try:
+        report = warm_up(every_op(), device)
+    finally:
+        if smoke:
+            os.environ.pop(dispatch.ENV) if previous is None else os.environ.__setitem__(dispatch.ENV, previous)
+            dispatch._parse.cache_clear()
+    return [{"case": f"warm_up {entry['op']} ({entry['impl']})", "max_abs_err": entry.get("max_abs_err", float("inf")),
+             "tolerance": entry.get("tolerance", 0.0), "seconds": entry.get("seconds"),
+             **({"error": entry["error"]} if "error" in entry else {})} for entry in report]
+
+
+def check_syncs_and_graphs(device: torch.device) -> list[dict]:
+    """Per op, on CUDA: the host syncs one call of its chosen kernel makes (``torch.cuda.set_sync_debug_mode``),
+    and whether it captures into a ``torch.cuda.graph`` and replays the eager result. No op runs on a graph
+    path today (graph eligibility keeps every batch that needs one eager); capture is reported, a replay
+    that differs from the eager call fails."""
+    import warnings
+
+    from sglang_kvx.ops.dispatch import choose
+    from sglang_kvx.ops.warmup import CASES
+
+    checks = []
+    for op, make in CASES.items():
+        case, tolerance = make(device)
+        impl = choose(op, None, device)
+        entry = {"case": f"syncs_and_graph {op} ({impl})", "tolerance": tolerance, "on_graph_path": False}
+        want = case(impl)  # compiled and planned before counting
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                case(impl)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        entry["host_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                case(impl)  # warm on the side stream, as SGLang's capture does
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                out = case(impl)
+            graph.replay()
+            torch.cuda.synchronize()
+            entry["captured"] = True
+            entry["max_abs_err"] = float((torch.as_tensor(out).float() - torch.as_tensor(want).float()).abs().max())
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured is reported, not failed
+            entry.update(captured=False, capture_error=f"{type(exc).__name__}: {str(exc)[:160]}", max_abs_err=0.0)
+        checks.append(entry)
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (set TRITON_INTERPRET=1)")
@@ -509,6 +579,11 @@ def main() -> None:
     snapshot = dict(slots=9, rows=3, shapes=[(2, 12, 3), (2, 2, 8, 8)], dtype=torch.float32) if args.smoke else \
         dict(slots=128, rows=32, shapes=[(36, 8192, 3), (36, 32, 128, 128)], dtype=torch.float32)  # ~10 GB of states
     result["checks"].extend(check_state_snapshot(device, 0 if args.smoke else args.repeats, **snapshot))
+    if not args.smoke:  # bf16 pools: SGLang's KV and state dtype on a GPU
+        result["checks"].extend(check_state_snapshot(device, args.repeats, **{**snapshot, "dtype": torch.bfloat16}))
+        result["checks"].extend(check_window_attention(device, args.repeats, **{**window, "seq_len": 4096}))
+        result["checks"].extend(check_syncs_and_graphs(device))
+    result["checks"].extend(check_warm_up(device, args.smoke))
     # The runtime's capture and compaction paths of every policy, on the device's tensors.
     policies = dict(n=96, layers=2, heads=4, kv_heads=2, dim=16, gdn_layers=3, gdn_heads=4, chunk=40, keep_fraction=0.25) \
         if args.smoke else dict(n=8192, layers=4, heads=16, kv_heads=2, dim=128, gdn_layers=12, gdn_heads=32, chunk=2048,
@@ -520,9 +595,10 @@ def main() -> None:
     result["gatesight_cost"] = [gatesight_cost(device, n, tiny if args.smoke else QWEN3_NEXT, repeats=1 if args.smoke else 3)
                                 for n in ((256,) if args.smoke else (32768, 65536, 131072))]
     failed = [c["case"] for c in result["checks"] if not c["max_abs_err"] <= c["tolerance"]]
-    result["failed"] = failed
-    result["passed"] = not failed
-    print(json.dumps(result, indent=1))
+    for check in result["checks"]:  # one JSON line per op check, then one for the rest and the verdict
+        print(json.dumps({**check, "failed": check["case"] in failed}))
+    print(json.dumps({"device": result["device"], "torch": result["torch"], "gatesight_cost": result["gatesight_cost"],
+                      "checks": len(result["checks"]), "failed": failed, "passed": not failed}))
     sys.exit(1 if failed else 0)
 
 

@@ -127,18 +127,21 @@ def test_the_gpu_check_script_runs_its_smoke_sizes_under_the_interpreter() -> No
     result = subprocess.run([sys.executable, "perf/gpu_check.py", "--smoke"], env=env, capture_output=True,
                             text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout)
-    checks = report["checks"]
+    *checks, report = [json.loads(line) for line in result.stdout.splitlines()]  # one line per check, then the verdict
+    assert report["passed"] and report["checks"] == len(checks)
     (cost,) = report["gatesight_cost"]  # scoring against a prefill lower bound, here at a tiny shape
     assert cost["scoring_s"] > 0 and cost["prefill_lower_bound_s_computed"] > 0
-    # MLP, prefix, gated x 2, block-sparse x 3, window attention, state snapshot (bit-exact), and the
-    # capture -> compaction path of every served policy on the device (here the CPU against itself)
+    # MLP, prefix, gated x 2, block-sparse x 3, window attention, state snapshot (bit-exact), the
+    # capture -> compaction path of every served policy on the device (here the CPU against itself), and
+    # the server's start-up check of every op (here each op's Triton kernel in the interpreter)
+    from sglang_kvx.ops.dispatch import OPS
     from sglang_kvx.policies import servable_policy_names
 
-    assert len(checks) == 9 + len(servable_policy_names()), [c["case"] for c in checks]
+    assert len(checks) == 9 + len(servable_policy_names()) + len(OPS), [c["case"] for c in checks]
+    assert {c["case"].split()[1] for c in checks if c["case"].startswith("warm_up ")} == set(OPS)
     assert all(c["max_abs_err"] <= c["tolerance"] and c["max_abs_err"] < 1e-4 for c in checks), checks
     # A planted wrong kernel fails the script, and only that check is named.
     planted = subprocess.run([sys.executable, "perf/gpu_check.py", "--smoke", "--plant"], env=env, capture_output=True,
                              text=True, cwd=ROOT, timeout=600)
     assert planted.returncode == 1, planted.stderr[-2000:]
-    assert json.loads(planted.stdout)["failed"] == ["gatesight_mlp n=70 (planted wrong kernel)"]
+    assert json.loads(planted.stdout.splitlines()[-1])["failed"] == ["gatesight_mlp n=70 (planted wrong kernel)"]

@@ -170,6 +170,7 @@ def warm_up(ops: Iterable[str], device: torch.device) -> list[dict]:
         entry = {"op": op, "impl": chosen}
         try:
             case, tolerance = CASES[op](device)
+            entry["tolerance"] = tolerance
             got, want = case(chosen), case("torch")
             entry["max_abs_err"] = err = _difference(got, want)
             entry["ok"] = err <= tolerance
