@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py --setup      # once: .venv-kvpress (below)
     OMP_NUM_THREADS=1 .venv/bin/python perf/kvpress_compare.py [--policies keydiff,snapkv] [--fractions 0.5,0.2,0.1] \\
         [--tasks niah_single_1,niah_single_2,niah_multivalue] [--length 1024] [--samples 10] [--seed 0] \\
-        [--max-new-tokens 32] [--url URL] [--out FILE] [--answers DIR [--side kvpress|server|both]]
+        [--max-new-tokens 32] [--url URL] [--out FILE] [--answers DIR [--side kvpress|server|both]] \\
+        [--kvzap-thresholds=-6,-5 [--kvzap-kinds mlp,linear]]
 
 For every policy both implement and every keep fraction p (and the full cache, p = 1) it prints one
 JSON object: each side's suite score (RULER metric x 100, the runner's ``METRICS`` on ``postprocess``ed
@@ -36,6 +37,16 @@ context to be the chat template's system prompt and user header (their count fro
 template: 24 on SmolLM2-135M-Instruct) and neither reconstructs nor scores them, so it evicts positions
 4-23 of a raw context first; its reconstruction prompt ends in the template's assistant header, as the
 server's does.
+
+KVzap (issue #57): ``--kvzap-thresholds`` adds rows for the paper's rule at each tau, ours (``kvzap`` /
+``kvzap_linear``: a server started with ``--kvx-kvzap-threshold tau``, one per tau, the parent's
+``kept_fraction`` recorded) against kvpress's own ``DMSPress(KVzapPress(model_type), threshold=tau,
+sliding_window_size=128)`` loaded with OUR surrogate (``weights/kvzap/<model>/<kind>``, kvpress's
+``KVzapModel`` layout; ``perf/kvpress_worker.py`` says how), its ``compression_ratio`` recorded; each
+row gives both sides' mean kept fraction. ``kvzip_plus`` runs against ``KVzipPress(kvzip_plus_normalization=True)``.
+``kvzap`` and ``kvzap_linear`` named in ``--policies`` run our budget mode (allocation ``global``) at each
+p, which kvpress has no press for: those rows have the server's side only. Differences from kvpress
+are stated in ``sglang_kvx/policies/kvzap.py`` and ``kvzip.py``.
 
 Long runs (``--answers DIR``): each side's answers are kept in ``DIR/kvpress.json`` and
 ``DIR/server.json`` with a fingerprint of the job (model, dtype, methods, the prompts' ids,
@@ -171,8 +182,31 @@ PRESSES: dict[str, tuple[str, dict]] = {
     "pyramidkv": ("PyramidKVPress", {}),
     "h2o": ("ObservedAttentionPress", {}),
     "random": ("RandomPress", {"seed": 0}),
+    "kvzip_plus": ("KVzipPress", {"kvzip_plus_normalization": True}),
 }
+# Ours at p (KVzap's budget mode, allocation "global"): kvpress has no press for it.
+OURS_ONLY: dict[str, dict] = {"kvzap": {"allocation": "global"}, "kvzap_linear": {"allocation": "global"}}
+KVZAP_KINDS = {"mlp": "kvzap", "linear": "kvzap_linear"}
+KVZAP_WINDOW = 128
 FULL = "full"
+
+
+def kvzap_press(model: str, kind: str, threshold: float) -> tuple[str, dict]:
+    """kvpress's DMSPress(KVzapPress) spec for the worker, with our surrogate for ``model``."""
+    from sglang_kvx.policies.kvzap import find_surrogate
+
+    return "DMSPress", {"scorer": "KVzapPress", "model_type": kind, "surrogate": str(find_surrogate(model, kind)),
+                        "threshold": threshold, "sliding_window_size": KVZAP_WINDOW}
+
+
+def press_of(method: tuple, model: str) -> tuple[str | None, dict]:
+    """The kvpress press of a method (policy, p, tau): None for the full cache and for ours-only rows."""
+    policy, _, tau = method
+    if policy == FULL or (tau is None and policy in OURS_ONLY):
+        return None, {}
+    if tau is not None:
+        return kvzap_press(model, {v: k for k, v in KVZAP_KINDS.items()}[policy], tau)
+    return PRESSES[policy]
 
 
 def build_prompts(tasks: list[str], length: int, samples: int, seed: int, tokenizer) -> list[dict]:
@@ -192,12 +226,16 @@ def build_prompts(tasks: list[str], length: int, samples: int, seed: int, tokeni
     return prompts
 
 
-def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple[str, float]], prompts: list[dict],
+def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple], prompts: list[dict],
                 max_new_tokens: int, progress: Path | None = None) -> dict:
     """kvpress's answers[method][prompt] and its versions, from the worker in the kvpress venv
-    (``progress``: a JSONL file the worker appends each answer to and resumes from)."""
-    jobs = [{"policy": policy, "keep_fraction": p, "press": None if policy == FULL else PRESSES[policy][0],
-             "options": {} if policy == FULL else PRESSES[policy][1]} for policy, p in methods]
+    (``progress``: a JSONL file the worker appends each answer to and resumes from). Ours-only methods
+    get None."""
+    runs = [m for m in methods if m[0] == FULL or press_of(m, model)[0] is not None]
+    jobs = []
+    for method in runs:
+        press, options = press_of(method, model)
+        jobs.append({"policy": method[0], "keep_fraction": method[1], "press": press, "options": options})
     with tempfile.TemporaryDirectory(prefix="kvx-kvpress-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "answers.json"
         job_path.write_text(json.dumps({
@@ -206,10 +244,13 @@ def run_kvpress(python: Path, model: str, dtype: str, methods: list[tuple[str, f
         }))
         subprocess.run([str(python), str(WORKER), str(job_path), str(out_path)] + ([str(progress)] if progress else []),
                        check=True)
-        return json.loads(out_path.read_text())
+        result = json.loads(out_path.read_text())
+    answers = iter(result["answers"])
+    result["answers"] = [next(answers) if m in runs else None for m in methods]
+    return result
 
 
-def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], max_new_tokens: int,
+def run_server(url: str, methods: list[tuple], prompts: list[dict], max_new_tokens: int,
                progress: Path | None = None) -> list[list[dict]]:
     """The server's answers[method][prompt]: per prompt, per method a parent carrying the policy and p,
     then the question as its child, as ``sglang_kvx.eval.runner.evaluate`` sends them; then /flush_cache.
@@ -230,13 +271,16 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
     todo = [i for i in range(len(prompts)) if i not in done]
     if done:
         print(f"{len(done)} prompts' answers kept in {progress}; {len(todo)} to run", file=sys.stderr)
+    from sglang_kvx.policies import get_policy
+
     for i in tqdm(todo, desc="sglang_kvx", unit="ctx", file=sys.stderr):
         prompt, row = prompts[i], []
-        for m, (policy, p) in enumerate(methods):
+        for m, (policy, p, tau) in enumerate(methods):
             kvx = {"compact": False} if policy == FULL else {
-                **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": 0}
+                **_policy_params(policy), "keep_fraction": p, "protected_prefix_len": 0,
+                **(OURS_ONLY.get(policy, {}) if tau is None else {})}
             parent = _generate(url, prompt["context"], 0, kvx)
-            if kvx.get("policy") == "kvzip":
+            if policy != FULL and get_policy(policy).second_pass:
                 wait_for_second_passes(url)
             child = _generate(url, prompt["context"] + prompt["question"], max_new_tokens, kvx)
             meta = child["meta_info"]
@@ -253,6 +297,9 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
                     raise SystemExit(f"{prompt['task']} #{prompt['index']} {policy}@{p}: the question was not served "
                                      f"from a compacted context (parent: {kept}; child: {entry})")
                 served["slots"] = entry.get("slots")
+                # The parent's outcome; a second-pass policy compacts later: its child's slots then say it.
+                served["kept_fraction"] = (parent["meta_info"].get("kvx") or [{}])[-1].get("kept_fraction") or (
+                    round(entry["slots"] / len(prompt["context_ids"]), 6) if entry.get("slots") else None)
             row.append(served)
         flush_cache(url)
         done[i] = row
@@ -262,33 +309,46 @@ def run_server(url: str, methods: list[tuple[str, float]], prompts: list[dict], 
     return [[done[i][m] for i in range(len(prompts))] for m in range(len(methods))]
 
 
-def compare(methods: list[tuple[str, float]], prompts: list[dict], ours: list[list[dict]], theirs: list[list[dict]],
-            stop_ids: set[int]) -> list[dict]:
+def compare(methods: list[tuple], prompts: list[dict], ours: list[list[dict]], theirs: list[list[dict] | None],
+            stop_ids: set[int], model: str) -> list[dict]:
     """Per method: both scores, same answers / total (and same generated token ids, a stop token at the
-    end left out), and every prompt's two answers."""
+    end left out), both sides' mean kept fraction where it is an outcome, and every prompt's two answers.
+    A method kvpress has no press for has its side None."""
     from sglang_kvx.eval.scoring import METRICS, postprocess
 
     def generated(ids: list[int] | None) -> list[int] | None:
         return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
+    def mean(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return round(sum(values) / len(values), 4) if values else None
+
     rows = []
-    for m, (policy, p) in enumerate(methods):
+    for m, (policy, p, tau) in enumerate(methods):
         scores = {"sglang_kvx": [], "kvpress": []}
         same = same_ids = 0
         per_sample = []
-        for prompt, a, b in zip(prompts, ours[m], theirs[m]):
-            texts = {"sglang_kvx": postprocess(a["text"]), "kvpress": postprocess(b["text"])}
+        for k, (prompt, a) in enumerate(zip(prompts, ours[m])):
+            b = theirs[m][k] if theirs[m] is not None else None
+            texts = {"sglang_kvx": postprocess(a["text"]), "kvpress": postprocess(b["text"]) if b else None}
             for side, text in texts.items():
-                scores[side].append(METRICS[prompt["task"]](text, prompt["answers"]))
+                if text is not None:
+                    scores[side].append(METRICS[prompt["task"]](text, prompt["answers"]))
             same += texts["sglang_kvx"] == texts["kvpress"]
-            same_ids += a["ids"] is not None and generated(a["ids"]) == generated(b["ids"])
+            same_ids += b is not None and a["ids"] is not None and generated(a["ids"]) == generated(b["ids"])
             per_sample.append([prompt["task"], prompt["index"], texts["sglang_kvx"], texts["kvpress"]])
-        rows.append({
-            "policy": policy, "keep_fraction": p, "press": None if policy == FULL else PRESSES[policy][0],
+        press, options = press_of((policy, p, tau), model)
+        row = {
+            "policy": policy, "keep_fraction": None if tau is not None else p, "threshold": tau, "press": press,
             "sglang_kvx": round(100 * sum(scores["sglang_kvx"]) / len(prompts), 2),
-            "kvpress": round(100 * sum(scores["kvpress"]) / len(prompts), 2),
-            "same_answers": same, "same_token_ids": same_ids, "total": len(prompts), "per_sample": per_sample,
-        })
+            "kvpress": round(100 * sum(scores["kvpress"]) / len(prompts), 2) if theirs[m] is not None else None,
+            "same_answers": same if theirs[m] is not None else None,
+            "same_token_ids": same_ids if theirs[m] is not None else None, "total": len(prompts),
+            "kept_fraction_sglang_kvx": mean([a.get("kept_fraction") for a in ours[m]]) if policy != FULL else 1.0,
+        }
+        if press == "DMSPress":
+            row["kept_fraction_kvpress"] = mean([1 - b["kvpress_compression_ratio"] for b in theirs[m]])
+        rows.append({**row, "per_sample": per_sample})
     return rows
 
 
@@ -316,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
                              "job is the same")
     parser.add_argument("--side", choices=("both", "kvpress", "server"), default="both",
                         help="run one side only and stop (needs --answers; default: %(default)s)")
+    parser.add_argument("--kvzap-thresholds", default="",
+                        help="KVzap rows at these taus, ours against kvpress's DMSPress(KVzapPress) with our surrogate "
+                             "(write --kvzap-thresholds=-6,-5: the values start with a minus)")
+    parser.add_argument("--kvzap-kinds", default="mlp,linear", help="surrogates for those rows (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.side != "both" and not args.answers:
         parser.error("--side kvpress|server keeps its answers for a later run: give --answers DIR")
@@ -325,14 +389,21 @@ def main(argv: list[str] | None = None) -> int:
         print(python)
         return 0
     policies = [p for p in args.policies.split(",") if p]
-    unknown = [p for p in policies if p not in PRESSES]
+    unknown = [p for p in policies if p not in PRESSES and p not in OURS_ONLY]
     if unknown:
-        parser.error(f"no kvpress counterpart for {', '.join(unknown)}; choose from {', '.join(PRESSES)}")
+        parser.error(f"no kvpress counterpart for {', '.join(unknown)}; choose from {', '.join([*PRESSES, *OURS_ONLY])}")
+    taus = [float(t) for t in args.kvzap_thresholds.split(",") if t]
+    kinds = [k for k in args.kvzap_kinds.split(",") if k]
+    if any(k not in KVZAP_KINDS for k in kinds):
+        parser.error(f"--kvzap-kinds: each one of {', '.join(KVZAP_KINDS)}")
+    if taus and args.url:
+        parser.error("--kvzap-thresholds starts a server per tau (--kvx-kvzap-threshold): drop --url")
     fractions = [float(f) for f in args.fractions.split(",") if f]
     if any(not 0 < f < 1 for f in fractions):
         parser.error("--fractions: each p must lie in (0, 1) (p = 1 is the full-cache row, always run)")
     tasks = [t for t in args.tasks.split(",") if t]
-    methods = [(FULL, 1.0)] + [(policy, p) for policy in policies for p in fractions]
+    methods = ([(FULL, 1.0, None)] + [(policy, p, None) for policy in policies for p in fractions]
+               + [(KVZAP_KINDS[kind], 1.0, tau) for kind in kinds for tau in taus])
 
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
@@ -348,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             served.refuse("it runs --kvx-policy none: it refuses per-request compaction (start it with a policy)")
         if args.model is not None:
             served.require_model(args.model)
-        if "kvzip" in policies:
+        if "kvzip" in policies or "kvzip_plus" in policies:
             served.require_context(2 * args.length + args.max_new_tokens + 128, "KVzip's reconstruction pass")
         model = served.model_path
         dtype = _served_dtype(model, requests.get(served.url + "/server_info", timeout=60).json().get("dtype"))
@@ -368,31 +439,44 @@ def main(argv: list[str] | None = None) -> int:
                                                                _progress(kept, "kvpress", job)))
     server_side = _kept(kept, "server", job)
     if server_side is None and args.side != "kvpress":
-        # As the runner starts its server: every request names its policy, the server's own is irrelevant.
-        context_length = (2 if "kvzip" in policies else 1) * args.length + args.max_new_tokens + 128
-        server = server_or_url(args.url, model, "--kvx-policy", policies[0] if policies else "random",
-                               "--context-length", str(context_length), "--dtype", dtype,
-                               max_total_tokens=max(16384, 16 * args.length))
-        with server:
-            if args.url is None:
-                served_info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
-            else:
-                served_info = served.summary()
-            answers = run_server(server.url, methods, prompts, args.max_new_tokens, _progress(kept, "server", job))
-        server_side = _keep(kept, "server", job, {"server": served_info, "answers": answers})
+        # As the runner starts its server: every request names its policy, the server's own is irrelevant;
+        # KVzap's threshold is the server's (--kvx-kvzap-threshold): one more server per tau.
+        second_pass = "kvzip" in policies or "kvzip_plus" in policies
+        context_length = (2 if second_pass else 1) * args.length + args.max_new_tokens + 128
+        groups: dict = {}
+        for method in methods:
+            groups.setdefault(method[2], []).append(method)
+        by_method, served_info = {}, {}
+        for tau, group in groups.items():
+            flags = (["--kvx-policy", policies[0] if policies else "random"] if tau is None
+                     else ["--kvx-policy", group[0][0], "--kvx-kvzap-threshold", str(tau)])
+            server = server_or_url(args.url if tau is None else None, model, *flags,
+                                   "--context-length", str(context_length), "--dtype", dtype,
+                                   max_total_tokens=max(16384, 16 * args.length))
+            with server:
+                if args.url is None or tau is not None:
+                    info = {"flags": " ".join(server.args), "startup_seconds": round(server.startup_seconds, 1)}
+                else:
+                    info = served.summary()
+                answers = run_server(server.url, group, prompts, args.max_new_tokens,
+                                     _progress(kept, "server" if tau is None else f"server-tau{tau:g}", job))
+            by_method.update(zip(group, answers))
+            served_info["main" if tau is None else f"kvzap threshold {tau:g}"] = info
+        server_side = _keep(kept, "server", job, {"server": served_info, "answers": [by_method[m] for m in methods]})
     if kvpress_side is None or server_side is None:
         print(f"{args.side} side kept in {kept}; run again without --side to compare", file=sys.stderr)
         return 0
     ours, served_info = server_side["answers"], server_side["server"]
 
-    rows = compare(methods, prompts, ours, kvpress_side["answers"], _stop_ids(model, tokenizer))
+    methods = [tuple(m) for m in methods]
+    rows = compare(methods, prompts, ours, kvpress_side["answers"], _stop_ids(model, tokenizer), model)
     result = {
         "model": Path(model).name, "tasks": tasks, "length": args.length, "seed": args.seed, "samples": args.samples,
         "max_new_tokens": args.max_new_tokens, "dtype": dtype,
         "kvpress_version": kvpress_side["versions"]["kvpress"], "kvpress_side": kvpress_side["versions"],
         "server": served_info,
-        "presses": {policy: {"press": press, "options": options} for policy, (press, options) in PRESSES.items()
-                    if policy in policies},
+        "presses": {(m[0] if m[2] is None else f"{m[0]}@{m[2]:g}"): dict(zip(("press", "options"), press_of(m, model)))
+                    for m in methods if m[0] != FULL},
         "per_sample_columns": ["task", "index", "sglang_kvx", "kvpress"],
         "rows": rows,
     }

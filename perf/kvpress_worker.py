@@ -21,8 +21,21 @@ mask; nothing else changes). ``ObservedAttentionPress`` (H2O) needs the attentio
 of the model loaded with ``attn_implementation="eager"``; every other press runs on SDPA (KVzipPress
 refuses eager).
 
+KVzap (issue #57): a job whose ``press`` is ``DMSPress`` carries ``options`` = {"scorer": "KVzapPress",
+"model_type": "mlp" | "linear", "surrogate": a folder, "threshold": tau, "sliding_window_size": 128}. The
+surrogate is OUR trained one, written in kvpress's ``KVzapModel`` layout (``config.json`` with
+``input_dim``, ``output_dim``, ``n_modules``, ``hidden_dim``; ``model.safetensors``): kvpress's
+``KVzapModel.from_pretrained`` fails under transformers 5.x (its issue #267), so the folder is read
+here into kvpress's own ``KVzapModel`` (built from a ``KVzapConfig``, then ``load_state_dict``), set on a
+``KVzapPress`` under the hub name kvpress would derive for the model (``post_init_from_model`` then
+loads nothing), and wrapped in ``DMSPress(threshold, sliding_window_size)``, which thresholds the
+context's prefill (``decoding`` stays False, as in kvpress's evaluation). After each such answer the
+press's own ``compression_ratio`` (the masked share of each layer's cache, averaged over layers) is
+recorded as ``kvpress_compression_ratio``.
+
 ANSWERS.json: ``versions`` (kvpress, transformers, torch and where torch was imported from) and
-``answers[job][prompt]`` = {"text", "ids"} (the generated ids, EOS included when reached).
+``answers[job][prompt]`` = {"text", "ids"} (the generated ids, EOS included when reached; plus
+``kvpress_compression_ratio`` for DMSPress jobs).
 Progress (tqdm) on stderr. PROGRESS.jsonl (optional): every answer is appended there as it is made
 (``{"job", "prompt", "text", "ids"}``), and answers already there are not made again, so an
 interrupted run resumes; the caller names the file after the job, so it never mixes two jobs.
@@ -61,6 +74,26 @@ def _align_causal_mask_per_layer(torch) -> None:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_aligned
 
 
+def _kvzap_press(kvpress, torch, options: dict, model_name: str):
+    """DMSPress(KVzapPress) with the surrogate of ``options["surrogate"]`` (module docstring)."""
+    from safetensors.torch import load_file
+
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    folder = options["surrogate"]
+    with open(os.path.join(folder, "config.json")) as f:
+        fields = json.load(f)
+    config = KVzapConfig(input_dim=fields["input_dim"], output_dim=fields["output_dim"],
+                         n_modules=fields["n_modules"], hidden_dim=fields["hidden_dim"])
+    surrogate = KVzapModel(config)
+    surrogate.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+    scorer = getattr(kvpress, options["scorer"])(model_type=options["model_type"])
+    scorer.kvzap_model = surrogate.eval()
+    scorer.kvzap_model_name = f"nvidia/KVzap-{options['model_type']}-{model_name.rstrip('/').split('/')[-1]}"
+    return kvpress.DMSPress(press=scorer, threshold=options["threshold"],
+                            sliding_window_size=options["sliding_window_size"])
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
@@ -75,7 +108,7 @@ def main(argv: list[str]) -> int:
                     entry = json.loads(line)
                 except json.JSONDecodeError:  # the last line of a run killed while writing it
                     continue
-                done[entry["job"], entry["prompt"]] = {"text": entry["text"], "ids": entry["ids"]}
+                done[entry["job"], entry["prompt"]] = {k: v for k, v in entry.items() if k not in ("job", "prompt")}
     with open(job_path) as f:
         job = json.load(f)
 
@@ -110,7 +143,9 @@ def main(argv: list[str]) -> int:
         for j, p in tqdm(work, desc="kvpress", unit="answer", file=sys.stderr):
             spec, prompt = job["jobs"][j], job["prompts"][p]
             press = None
-            if spec["press"] is not None:
+            if spec["press"] == "DMSPress":
+                press = _kvzap_press(kvpress, torch, spec["options"], job["model"])
+            elif spec["press"] is not None:
                 press = getattr(kvpress, spec["press"])(compression_ratio=1.0 - spec["keep_fraction"], **spec["options"])
             pipe = pipeline_for("eager" if spec["press"] == "ObservedAttentionPress" else "sdpa")
             inputs = {"context_ids": torch.tensor([prompt["context_ids"]]),
@@ -128,8 +163,10 @@ def main(argv: list[str]) -> int:
             finally:
                 tokenizer.decode = decode
             done[j, p] = {"text": text, "ids": ids}
+            if spec["press"] == "DMSPress":
+                done[j, p]["kvpress_compression_ratio"] = float(press.compression_ratio)
             if progress is not None:
-                progress.write(json.dumps({"job": j, "prompt": p, "text": text, "ids": ids}) + "\n")
+                progress.write(json.dumps({"job": j, "prompt": p, **done[j, p]}) + "\n")
                 progress.flush()
     if progress is not None:
         progress.close()

@@ -36,7 +36,7 @@ The ``threshold`` defaults to the surrogate manifest's (per request: ``{"step": 
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,7 +61,7 @@ class HeadFold:
         self.start, self.end, self.slots, self.cells, self.positions = start, end, slots, cells, positions
 
     @classmethod
-    def build(cls, pool, row_slots: torch.Tensor, old: "HeadFold | None", start: int, end: int,
+    def build(cls, pool: Any, row_slots: torch.Tensor, old: "HeadFold | None", start: int, end: int,
               keep: list[torch.Tensor]) -> "HeadFold | None":
         """The fold of [start, end) from ``keep[l]`` [H, end] (True: kept); entries before ``old.end``
         are copied from the old fold's cells, later ones from the row. None: no room in the pool."""
@@ -273,7 +273,7 @@ class KVzapDecode(DecodeStep):
     tp_unsafe = "a rank's row would have to score and fold only its own KV heads, which is not built yet"
 
     @classmethod
-    def load_resources(cls, config, device=None) -> KVzapSurrogate:
+    def load_resources(cls, config: Any, device: torch.device | None = None) -> KVzapSurrogate:
         """The surrogate trained for the served checkpoint (``--kvx-kvzap-surrogates``, else found by its
         fingerprint); none trained for it: the step's requests are refused with the command that trains one."""
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_kvx.policies.kvzap import KVzapSurrogate
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.reference.kvzip import reconstruction_attention
 
@@ -63,7 +64,7 @@ def kvzip_plus_targets(ref: HFReference, ids: list[int], *, chunk_size: int | No
 
 
 @torch.no_grad()
-def kvzap_generate(ref: HFReference, prompt_ids: list[int], max_new_tokens: int, surrogate, threshold: float,
+def kvzap_generate(ref: HFReference, prompt_ids: list[int], max_new_tokens: int, surrogate: KVzapSurrogate, threshold: float,
                    window: int) -> tuple[list[int], list[float], dict]:
     """Greedy generation under KVzap's decode rule, applied here step by step: every token is scored
     from its attention-input hidden states when it is written (the prompt in its prefill, each new
