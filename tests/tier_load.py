@@ -243,6 +243,18 @@ def run_load(url: str, book: Book, seconds: float, seed: int, mix: Mix, context_
     return records
 
 
+def stream_child_source(record: Record) -> str | None:
+    """Where a streamed request's compacted context came from ("pool", "host", "disk"; None: it read
+    none). A closed stream has no ``meta_info.kvx``; every chunk of a child names its context's source
+    in ``cached_tokens_details`` (``kvx_pool``, ``kvx_host``, ``kvx_disk``); before that field, a
+    child's ``prompt_tokens`` counted its compacted prefix instead of the context."""
+    details = record.meta.get("cached_tokens_details") or {}
+    sources = [key[len("kvx_"):] for key, count in details.items() if key.startswith("kvx_") and count]
+    if sources:
+        return sources[0]
+    return "pool" if record.meta.get("prompt_tokens", len(record.prompt)) < len(record.prompt) else None
+
+
 @dataclass
 class Verdict:
     """Every record checked against its reference: ``wrong`` and ``failed`` (non-200, errors) describe
@@ -283,9 +295,8 @@ class Verdict:
         elif record.kind == "child":
             self.wrong.append(f"{where}: a child of a stored context served without saying how: kvx {said}")
             return
-        elif record.kind == "stream" and record.meta.get("prompt_tokens", len(record.prompt)) < len(record.prompt):
-            # Stream chunks carry no meta_info.kvx; a child's prompt_tokens count its compacted prefix.
-            served, reference = "stream_child", book.pool[record.doc]
+        elif record.kind == "stream" and (source := stream_child_source(record)):
+            served, reference = f"stream_child_from_{source}", book.pool[record.doc]
         elif record.kind == "stream":
             served, reference = "stream_full_prefill", book.plain_greedy(record.prompt, tokens)
         else:

@@ -257,6 +257,8 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
             # not prefill are the context's n (sglang:cache_hit_rate, the realtime prefill_cache tokens).
             for usage in usage_of(request):
                 adder.log_hit_tokens += usage["hidden"]
+        else:
+            runtime.left_in_queue(request)  # a child SGLang did not take pins no context meanwhile
         return result
     return original(adder, req, *args, **kwargs)
 
@@ -265,7 +267,7 @@ def after_release_aborted_request(result, scheduler, req, *_args, **_kwargs):
     """A queued request aborted before it ran (its client went away): a context it adopted is idle again."""
     runtime = runtime_of(scheduler.req_to_token_pool)
     if runtime is not None:
-        runtime.dropped_from_queue(SGLangRequest(req))
+        runtime.left_in_queue(SGLangRequest(req))
     return result
 
 

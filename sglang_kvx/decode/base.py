@@ -90,6 +90,18 @@ class DecodeStep:
     budget: int = 0  # per-head eviction: entries each layer's KV head keeps after every step
 
     @classmethod
+    def child_problem(cls, per_head: bool, allocation: str) -> str | None:
+        """Why the step cannot run on a child of a compacted context (``per_head``: its KV heads keep
+        different counts, under ``allocation``); None when it can. A child naming the step is refused
+        with it; the server's default step is not applied to such a child (full attention)."""
+        if cls.drops:
+            return f"decode step {cls.name!r} evicts entries, which does not yet apply to a child of a compacted context"
+        if per_head:
+            return (f"decode step {cls.name!r} does not yet apply to a child of a context compacted with per-head "
+                    f"budgets (allocation {allocation!r}); compact the context with allocation 'flat'")
+        return None
+
+    @classmethod
     def totals(cls, num_layers: int) -> dict[str, Any]:
         """The server-wide figures its row states add to (``/kvx/stats``), at zero: numbers are also
         counts (``/metrics``), lists are per-layer figures."""

@@ -132,7 +132,8 @@ class Admission:
         """The longest stored context the prompt extends: CHILD (in the pool), RESTORE (longer, held in a
         tier below it), WAIT (its context is being scored), or None."""
         previous = state.plan
-        if previous is not None and previous.reason == WAIT_READ and not state.skip_tiers:
+        if (previous is not None and previous.reason == WAIT_READ and not state.skip_tiers
+                and self.store.get(previous.held.entry.context_ids, previous.held.settings) is None):
             return Plan(RESTORE, held=previous.held)  # its file's read (done, or not yet) decides
         stored = len(self.store) or (not state.skip_tiers and self.tiering.holds_any())
         if not (stored or self.passes_pending(request.input_ids, None)):
@@ -166,17 +167,11 @@ class Admission:
             state.outcome = {"child": False, "context_tokens": context.n, "reason": f"logprob_start_len {logprobs_from} "
                              f"lies inside the stored context ({context.n} tokens): served with the full cache"}
             return PLAIN_PLAN
-        if state.decode is not None and context.per_head:
+        problem = state.decode and state.decode.step_class.child_problem(context.per_head, context.settings.allocation)
+        if problem:
             if state.fields.decode is not None:
-                return refuse(f"decode step {state.decode.step!r} does not yet apply to a child of a context "
-                              f"compacted with per-head budgets (allocation {context.settings.allocation!r}); send it "
-                              f"with \"compact\": false, or compact the context with allocation 'flat'")
+                return refuse(f"{problem}; or send it with \"compact\": false")
             state.decode = None  # the server's default is not applied to such children: full attention
-        if state.decode is not None and state.decode.step_class.drops:
-            if state.fields.decode is not None:
-                return refuse(f"decode step {state.decode.step!r} evicts entries, which does not yet apply to a "
-                              f"child of a compacted context; send it with \"compact\": false")
-            state.decode = None  # the server's evicting default is not applied to children: full attention
         return None
 
     def _wanted(self, request: Request, prompt_tokens: int | None = None) -> int:
@@ -194,6 +189,7 @@ class Admission:
     def _become_child(self, request: Request, state: RequestState, context: CompactedContext) -> None:
         """Placeholders for the stored rank slots (never embedded: the whole run is a cached prefix)."""
         logprobs_from = request.input_logprobs_from
+        state.prompt = (tuple(request.input_ids), logprobs_from)
         question = list(request.input_ids[context.n :])
         request.replace_input_ids(list(context.context_ids[: context.num_slots]) + question)
         if logprobs_from is not None:  # the prompt is now S placeholders + the question: same token, new index
@@ -232,6 +228,9 @@ class Admission:
             return
         if isinstance(entry, str):
             return self._restore_failed(state, entry)
+        if self.store.get(entry.context_ids, entry.settings) is not None:
+            state.plan = None  # another child brought it back meanwhile: this one reads it from the pool
+            return
         need = entry.num_slots + self._wanted(request, len(request.input_ids) - entry.n)
         # Idle pooled contexts make way first; what can never be freed for it leaves it to a full prefill.
         never = self.eviction.make_room(need, tenant=state.fields.tenant)
@@ -269,12 +268,25 @@ class Admission:
 
     # --- leaving -----------------------------------------------------------------------------------
 
-    def dropped_from_queue(self, request: Request) -> None:
-        """SGLang dropped a queued request (its client went away): a context it adopted is idle again."""
+    def unadopt(self, request: Request, read_it: bool = False) -> None:
+        """A child that holds no row pins nothing: SGLang left it queued this round, retracted it, or
+        dropped it. Its context is idle again (evictable for a running request's decode, which would
+        otherwise find no room it could take, where plain SGLang always has it) and its prompt its own;
+        it is matched afresh when SGLang takes it (a retracted one, which has output, then prefills)."""
         state = request.state
-        if state is not None and state.context is not None and not request.holds_kv:
-            state.context.active_children -= 1
-            state.context = None
+        if state is None or state.context is None or state.internal or request.holds_kv:
+            return
+        state.context.active_children -= 1
+        if not read_it:
+            state.context.reuse_count -= 1  # counted again when it is taken
+        state.context = None
+        if state.prompt is not None:
+            request.replace_input_ids(list(state.prompt[0]))
+            if state.prompt[1] is not None:
+                request.input_logprobs_from = state.prompt[1]
+            state.prompt = None
+        state.usage = None
+        state.outcome = None
 
     def forget_all(self) -> None:
         self.store.contexts.clear()

@@ -44,6 +44,7 @@ class RequestState:
     skip_tiers: bool = False  # a restore of its context failed: it is served without the tiers
     restored: dict | None = None  # where its context came back from, for its outcome
     usage: dict | None = None  # a child's prompt tokens SGLang does not see (n - S) and their source (adapter/usage.py)
+    prompt: tuple | None = None  # a child's own prompt and logprob start, while placeholders stand in for its context
 
     def decode_step(self) -> DecodeStep:
         """The request's decode step, built on first use and kept: one instance per request, which

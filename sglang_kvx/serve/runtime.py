@@ -123,9 +123,10 @@ class Runtime:
             return False
         return not state.waits
 
-    def dropped_from_queue(self, request: Request) -> None:
-        """SGLang dropped a queued request (aborted before it ran)."""
-        self.admission.dropped_from_queue(request)
+    def left_in_queue(self, request: Request) -> None:
+        """SGLang did not take a queued request this round, or dropped it (aborted before it ran): a
+        context it adopted is idle again until it is taken (``Admission.unadopt``)."""
+        self.admission.unadopt(request)
 
     def _refuse_on_error(self, request: Request, exc: Exception, doing: str) -> None:
         self._failed(f"{type(exc).__name__} while {doing} a request: {exc}")
@@ -239,6 +240,8 @@ class Runtime:
             if state.internal and request.rid in self.second_pass.jobs:
                 self.parents.contained(lambda: self.second_pass.finish_pass(request), request)
             self.admission.rows.release(request)
+            if not request.finished:  # retracted: it holds no row now, and is matched afresh when retaken
+                self.admission.unadopt(request, read_it=True)
             return
         if not (request.finished and state.parent and request.holds_kv):
             return
