@@ -118,6 +118,14 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
         has(r["arms"], "full", "local", "oda@0", "random@0")
         has(r["arms"]["oda@0"], "score", "full_rate", "gap_recovered")
 
+        compacting = shared_server("compacting", "tiny-llama")  # decode steps on; KVzap's surrogates for tiny-llama
+        r = run("bench_kvzap_decode.py", "--model", "tiny-llama", "--samples", "1", "--length", "256", "--tasks",
+                "niah_single_1", "--max-new-tokens", "48", "--window", "16", "--url", compacting.url)
+        has(r, "arms", "window", "max_new_tokens", "prefix_cache")
+        for arm in ("full", "kvzap@manifest", "streamingllm@manifest"):
+            has(r["arms"][arm], "score", "token_agreement_with_full", "kept_fraction", "slots_freed_per_request")
+        assert r["arms"]["full"]["token_agreement_with_full"] == 1.0 and 0 < r["arms"]["kvzap@manifest"]["kept_fraction"] < 1
+
         compacting = shared_server("compacting", hybrid)
         r = run("bench_scoring_cost.py", "--contexts", "256", "--kvzip-contexts", "256", "--url", compacting.url)
         has(r["gatesight"]["256"], "prefill_s", "capture_s", "signals_s", "score_select_s", "compact_s",
