@@ -37,6 +37,10 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
         "around_check_decode_capacity", HOOK_AROUND),
     # SGLang clips a generation to what the pool could hold; a decode step bounding live KV lifts that.
     "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens": ("around_init_req_max_new_tokens", HOOK_AROUND),
+    # The overlap scheduler processes a batch's results after launching the next: a decode step's first forward
+    # waits for its prefill's (SGLang caches the prompt there, which moves what the step may free).
+    "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch": (
+        "around_is_disable_overlap_for_batch", HOOK_AROUND),
     # One decode forward: each row's span, a re-run where a decode step asks, then its drops.
     "sglang.srt.model_executor.model_runner.ModelRunner.forward": ("around_model_forward", HOOK_AROUND),
     # Backend-agnostic: every attention backend runs under RadixAttention.forward.

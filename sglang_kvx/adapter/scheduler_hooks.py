@@ -325,6 +325,21 @@ def around_release_kv_cache(original, req, tree_cache, *args, **kwargs):
 # --- forward time ----------------------------------------------------------------------
 
 
+def around_is_disable_overlap_for_batch(original, scheduler, batch, last_batch=None, *args, **kwargs):
+    """Under the overlap scheduler SGLang launches a batch before it processes the previous one's results. A
+    decode batch holding a row's first decode step waits for them instead: that row's prefill results are
+    where SGLang caches its prompt (the request's owned start moves), and a step frees only what is the
+    request's own. Every later step overlaps as usual."""
+    if original(scheduler, batch, last_batch, *args, **kwargs):
+        return True
+    runtime = runtime_of(scheduler.req_to_token_pool)
+    if runtime is None or not runtime.decode or batch is None or not batch.forward_mode.is_decode():
+        return False
+    from sglang_kvx.serve.decoding import before_first_step
+
+    return before_first_step(runtime.decode, [SGLangRequest(req).row for req in batch.reqs if req.kv.holds_kv])
+
+
 def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):
     """A forward with decode-step rows. Decode: spans first, the forward, a re-run where a step asks
     (every row's recurrent state restored first, so rows not re-run compute the same again), drops.

@@ -304,6 +304,11 @@ class DecodeRunner:
         self.rows.clear()
 
 
+def before_first_step(runner: DecodeRunner, rows: list[int]) -> bool:
+    """Whether one of ``rows`` runs a decode step that has not begun its first step yet (its prefill just ran)."""
+    return any((state := runner._live(row)) is not None and state.steps == 0 for row in rows)
+
+
 def _first_run_scores(runner: DecodeRunner, rows: list[int], batch_rows: list[int],
                       outputs: ForwardOutputs | None) -> dict[int, float | None]:
     """Each row's score of its first run: the rows of one row-state class in one call (a step scoring with a
