@@ -10,9 +10,9 @@ only when a recording (``SignalRecorder.wants_attention_inputs``) or a running d
 (``serve.decoding.wants_attention_inputs``) reads the states; otherwise each returns after two
 attribute reads.
 
-On a captured graph's replay no Python runs, so nothing is handed over: the signal then finds the
-chunk missing and fails that compaction by name (a batch that needs these must run eagerly: graph
-eligibility has to decline it; decode rows reading them already make ``DecodeRunner.any_hidden`` true).
+On a captured graph's replay no Python runs, so nothing is handed over: graph eligibility declines
+every batch that needs these (a recording parent; a decode step that ``reads_attention_inputs``:
+``serve/graph_eligibility.py``), and a recording that missed them anyway fails that compaction by name.
 """
 
 from __future__ import annotations

@@ -273,11 +273,6 @@ class DecodeRunner:
         ``contexts``: batch index -> (the compacted context a child reads, its cells in this layer)."""
         return _masked_rows(self, layer, rows, seq_lens, contexts)
 
-    def any_hidden(self) -> bool:
-        """Whether some row hides part of its history (a span, a drop, its own per-head cells): such
-        batches run eagerly (the adapter declines captured graphs for them)."""
-        return any(not s.span.full or any(e > b for b, e in s.dropped) or s.own.masks for s in self.rows.values())
-
     # --- leaving -----------------------------------------------------------------------
 
     def release(self, row: int, owned_len: int) -> int | None:
