@@ -17,6 +17,7 @@ most of the suite, so that tests share servers instead of each starting their ow
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections import OrderedDict
@@ -236,3 +237,5 @@ class ServerPool:
             server.terminate()  # all at once: they shut down side by side
         for server_spec in list(self.live):
             self._drop(server_spec)
+        for directory in (TIERED_DIR, SOAK_DIR):  # the shared servers' context directories, this process's own
+            shutil.rmtree(directory, ignore_errors=True)
