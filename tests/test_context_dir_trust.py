@@ -34,7 +34,7 @@ from sglang_kvx.settings import ServerDefaults
 from sglang_kvx.store import ContextStore
 from sglang_kvx.store.context_file import MARKER
 from test_compactor_views import TensorPool
-from test_context_tiers import Child, admit, stored_context
+from test_context_tiers import Budget, Child, admit, stored_context
 from test_disk_tier import FINGERPRINT, evict_all
 
 IDS = tuple(range(800, 812))
@@ -342,3 +342,34 @@ def test_the_launcher_refuses_tiers_that_cannot_work(tmp_path, demo_paths):
     (tmp_path / "short").write_text("abc")
     with pytest.raises(KvxConfigError, match="holds 3 bytes; a secret needs at least 16"):
         build_config("knorm", 0.5, context_dir=str(tmp_path / "d2"), context_secret_file=str(tmp_path / "short"))
+
+
+def test_a_read_the_file_system_never_finishes_gives_the_child_up_to_a_full_prefill(tmp_path, monkeypatch):
+    """A hung file system (here: the worker's read blocks) never holds a child for good: past the read
+    timeout it is served by a full prefill with the reason, and the scheduler thread never waited."""
+    import threading
+    import time
+
+    import sglang_kvx.store.disk as disk_module
+    from sglang_kvx.serve.plans import WAIT_READ
+
+    write_context(tmp_path, IDS)
+    pool = TensorPool(slots=40)
+    admission = server(pool, tmp_path)
+    disk = admission.eviction.tiering.disk
+    assert disk.drain()
+    release = threading.Event()
+    original = disk.files.read
+    monkeypatch.setattr(disk.files, "read", lambda entry: release.wait(30) and original(entry))
+    monkeypatch.setattr(disk_module, "READ_TIMEOUT_S", 0.3)
+    child = Child(list(IDS) + [1])
+    admission.before_round(child)
+    admission.admit_restore(child, Budget(pool))
+    assert child.state.plan.reason == WAIT_READ  # queued while the worker reads
+    time.sleep(0.4)
+    admission.before_round(child)
+    admission.admit_restore(child, Budget(pool))
+    assert child.state.plan is None and "was not read in 0.3 s" in child.state.outcome["reason"]
+    assert admission.before_round(child).kind == PLAIN and pool.room() == 39
+    release.set()
+    assert disk.drain()

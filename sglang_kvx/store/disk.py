@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SCAN_POLL_S = 0.1  # the worker looks at the directory's mtime this often when it has nothing else to do
 READ_RESULT_TTL_S = 60.0  # a read nobody collected (its child went away) is dropped after this
+READ_TIMEOUT_S = 30.0  # a read not done by then (a hung file system) gives its child up to a full prefill
 _PENDING = object()
 
 
@@ -125,6 +126,9 @@ class DiskTier:
                 self._jobs.put(("read", entry))
                 return None
             if found[1] is _PENDING:
+                if now - found[0] > READ_TIMEOUT_S:  # never wait on a hung file system for good
+                    self._reads[entry.key] = (found[0], "gave up")  # its late result is dropped with it
+                    return f"its file was not read in {READ_TIMEOUT_S:g} s"
                 return None
             del self._reads[entry.key]
         return found[1]
