@@ -163,7 +163,7 @@ def test_the_extending_tutorial_quotes_the_served_files_exactly():
 # --- flags: each offered by the command the docs name it for -----------------------------------------
 
 PY = sys.executable
-TRAINING = ("train_demo", "train_gatesight", "finetune_ruler", "train_recall_head", "train_gated")
+TRAINING = ("train_demo", "train_gatesight", "finetune_ruler", "train_recall_head", "train_gated", "train_kvzap")
 # (pattern naming a command, the key of its --help); the first match at a position wins.
 COMMANDS = (
     (re.compile(r"python -m sglang\.launch_server|sglang-kvx serve"), lambda m: "launch_server"),
