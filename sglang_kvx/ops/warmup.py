@@ -160,7 +160,7 @@ def warm_up(ops: Iterable[str], device: torch.device) -> list[dict]:
     for op in ops:
         try:
             chosen = choose(op, None, device)
-        except (RuntimeError, ValueError) as exc:  # an implementation named by the environment that cannot run here
+        except (RuntimeError, ValueError) as exc:  # an implementation asked for by name that cannot run here
             fall_back(op, "asked", exc, "warm-up")
             report.append({"op": op, "impl": "asked", "ok": False, "error": str(exc)})
             continue
