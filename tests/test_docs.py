@@ -286,7 +286,6 @@ def flag_problems(flags: dict[str, set[str]]) -> set[str]:
     return problems
 
 
-@pytest.mark.slow
 def test_the_flags_table_is_the_schemas():
     """docs/serving.md's table is ``schema.flags_table()`` (regenerate it from there when a setting changes)."""
     from sglang_kvx.schema import flags_table
