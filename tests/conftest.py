@@ -312,10 +312,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         pools.append(pool_summary(config._kvx_pool))
     starts = [start for pool in pools for start in pool["starts"]]
     fresh = sum(pool["fresh"] for pool in pools)
-    distinct = len({label for label, _ in starts})
+    distinct = len({label for label, *_ in starts})
     terminalreporter.write_line(
         f"[kvx suite] wall {wall:.0f} s; server starts: {len(starts)} pooled ({distinct} configurations, "
-        f"{sum(seconds for _, seconds in starts):.0f} s to ready, {sum(p['restarts'] for p in pools)} after a crash) "
+        f"{sum(seconds for _, seconds, _ in starts):.0f} s to ready, {sum(p['restarts'] for p in pools)} after a crash) "
         f"+ {fresh} fresh processes, over {len(pools)} pool(s)")
-    for label, seconds in starts:
-        terminalreporter.write_line(f"  {seconds:5.1f} s  {label}")
+    # Each start with the test that asked for it: a configuration started twice on one worker is a
+    # file order (tests/file_order.py) that made the pool stop it for room in between.
+    for label, seconds, by in starts:
+        terminalreporter.write_line(f"  {seconds:5.1f} s  {label}  (for {by})")

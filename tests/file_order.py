@@ -12,9 +12,8 @@ from pathlib import Path
 # Longest groups first (seconds summed from --durations); within a group, files using the same
 # servers adjacent. Unlisted files follow in their collection order.
 FILE_ORDER = (
-    # "perf": the shared servers every benchmark smoke uses, and the files that use them too
-    "test_perf_smoke.py", "test_head_eviction_e2e.py", "test_sparse_attention_e2e.py", "test_request_isolation.py",
-    "test_server_e2e.py",
+    # "cells": the learned-gate cells, the sparse and plain servers, and the files that use them too
+    "test_head_eviction_e2e.py", "test_sparse_attention_e2e.py", "test_request_isolation.py", "test_server_e2e.py",
     "test_chunked_prefill_e2e.py", "test_frontend_and_openai.py",
     # "recomputing": the recomputing hybrid and the compacting dense server
     "test_attention_backends.py", "test_compaction_e2e.py", "test_oda_e2e.py", "test_policy_registry_e2e.py",
@@ -23,7 +22,7 @@ FILE_ORDER = (
     "test_parallel.py", "test_context_dir_e2e.py", "test_tier_soak.py", "test_host_tier_e2e.py", "test_gate_eviction_e2e.py",
     "test_qwen3_next.py", "test_paged_kv_e2e.py", "test_smollm2.py", "test_qwen3_dense.py",
 )
-GROUPS = {name: "perf" for name in FILE_ORDER[:7]} | {name: "recomputing" for name in FILE_ORDER[7:12]}
+GROUPS = {name: "cells" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:11]}
 
 
 def rank(path: Path) -> int:

@@ -133,7 +133,7 @@ class ServerPool:
     log_dir: Path
     max_live: int = 5
     live: "OrderedDict[ServerSpec, ServerProcess]" = field(default_factory=OrderedDict)
-    starts: list[tuple[str, float]] = field(default_factory=list)  # (spec label, seconds to ready)
+    starts: list[tuple[str, float, str]] = field(default_factory=list)  # (spec label, seconds to ready, test)
     restarts: int = 0
     used: set[ServerSpec] = field(default_factory=set)  # by the running test
     current: object = None  # the running test's pytest item
@@ -162,7 +162,8 @@ class ServerPool:
                     break
                 self._drop(next((s for s in idle if s not in self.hot), idle[0]))
             server = self._start(server_spec)
-            self.starts.append((server_spec.label, server.startup_seconds or 0.0))
+            by = getattr(self.current, "nodeid", "a fixture")
+            self.starts.append((server_spec.label, server.startup_seconds or 0.0, by))
             self.live[server_spec] = server
         if hot:
             self.hot.add(server_spec)

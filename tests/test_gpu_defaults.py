@@ -166,25 +166,6 @@ def test_on_demand_attention_serves_batches_where_every_row_runs_full_under_grap
     assert grew(before["declines"], after["declines"], STEP_OUTPUTS) >= 11 * 4  # every step of the four, at least
 
 
-@pytest.mark.slow
-def test_the_learned_gate_family_starts_and_serves_under_graph_emulation(server_pool):
-    """Its attention backend (torch-native's kin) cannot be captured: the plugin declares graphs off for it
-    as SGLang does for torch_native, so the server starts and serves, with no replay, as without emulation."""
-    from gated_cells import cell_path
-    from test_gate_eviction_e2e import gated_spec
-
-    base = gated_spec("sigmoid-rope-gate")
-    emulated = server_pool.get(spec(base.model_path, *base.args, max_total_tokens=base.max_total_tokens, env=EMULATE))
-    plain = server_pool.get(base)
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(cell_path("sigmoid-rope-gate")).encode(text(80, seed=71), add_special_tokens=False)
-    answers = [send(server, body(ids, 10)) for server in (emulated, plain)]
-    assert answers[0][0] == answers[1][0] == 200
-    assert answers[0][1]["output_ids"] == answers[1][1]["output_ids"]
-    assert "graph_replays" not in emulated.stats()
-
-
 # --- overlap -------------------------------------------------------------------------------------
 
 
@@ -441,3 +422,24 @@ def test_a_recording_that_missed_layers_leaves_its_parent_uncompacted_with_the_r
     parents.compact(request, state)
     assert state.outcome["compacted"] is False and "stays uncompacted" in state.outcome["reason"]
     assert parents.incomplete_recordings == 1 and failures == [state.outcome["reason"]]
+
+
+# Last in the file: its two gate-cell servers would otherwise stop the dense GPU-defaults pair for room
+# between the graph tests and the overlap tests (the pool keeps three servers per worker).
+@pytest.mark.slow
+def test_the_learned_gate_family_starts_and_serves_under_graph_emulation(server_pool):
+    """Its attention backend (torch-native's kin) cannot be captured: the plugin declares graphs off for it
+    as SGLang does for torch_native, so the server starts and serves, with no replay, as without emulation."""
+    from gated_cells import cell_path
+    from test_gate_eviction_e2e import gated_spec
+
+    base = gated_spec("sigmoid-rope-gate")
+    emulated = server_pool.get(spec(base.model_path, *base.args, max_total_tokens=base.max_total_tokens, env=EMULATE))
+    plain = server_pool.get(base)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(cell_path("sigmoid-rope-gate")).encode(text(80, seed=71), add_special_tokens=False)
+    answers = [send(server, body(ids, 10)) for server in (emulated, plain)]
+    assert answers[0][0] == answers[1][0] == 200
+    assert answers[0][1]["output_ids"] == answers[1][1]["output_ids"]
+    assert "graph_replays" not in emulated.stats()

@@ -1,4 +1,12 @@
-"""Every benchmark in perf/ (but gpu_check.py: test_ops_prefix_attention.py runs its --smoke sizes;
+"""Every benchmark in perf/ compiles and imports what it names (the suite), and runs at smoke size (CI's long tier).
+
+The suite's check (``test_every_benchmark_imports``, in-process, seconds): each script loads as a
+module -- its imports of this package, SGLang and its sibling scripts resolve and its top level runs
+-- so a renamed function or moved module breaks the suite, not the next benchmark run. Running every
+script at smoke size takes ~9 minutes of server work (over a third of the suite's budget); it runs in
+the long tier, which CI runs after the suite on every change, so no script lands broken either way.
+
+The long-tier run: every benchmark in perf/ (but gpu_check.py: test_ops_prefix_attention.py runs its --smoke sizes;
 kvpress_compare.py with its worker, which need a 661 MB venv of kvpress from PyPI; and bench_router.py,
 which starts workers and routers of its own: its router process and the shared context directory are
 exercised in test_context_dir_e2e.py) at smoke size, so none can rot.
@@ -51,7 +59,28 @@ def has(mapping: dict, *keys: str) -> None:
     assert not missing, f"missing keys {missing} in {sorted(mapping)}"
 
 
+# Not imported here: kvpress_worker.py runs in kvpress's own venv (kvpress is not installed in this one);
+# sweep_oda_head.py is a sweep with no main guard (loading it runs it; the long-tier run leaves it out too).
+NOT_IMPORTABLE_HERE = {"kvpress_worker.py", "sweep_oda_head.py"}
+LIBRARIES = {"served.py"}  # imported by the scripts, no command of its own
+
+
+def test_every_benchmark_imports():
+    import runpy
+
+    scripts = sorted(p for p in (ROOT / "perf").glob("*.py") if p.name not in NOT_IMPORTABLE_HERE)
+    assert len(scripts) >= 24
+    sys.path.insert(0, str(ROOT / "perf"))  # as when a script runs: its siblings import by name
+    try:
+        for script in scripts:
+            namespace = runpy.run_path(str(script), run_name=f"perf_import_check_{script.stem}")
+            assert script.name in LIBRARIES or callable(namespace.get("main")), f"{script.name} has no main()"
+    finally:
+        sys.path.remove(str(ROOT / "perf"))
+
+
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.fresh_process
 def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path):
     seconds: dict[str, float] = {}
