@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sglang_kvx.adapter.door import door_problem
@@ -213,3 +215,45 @@ def test_routed_decode_steps_take_real_options_and_merge_over_the_servers():
     picks = [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]
     assert picks == [chance.rerun_span(t, chance.span(t)) is not None for t in range(1, 2001)]
     assert 0.2 < sum(picks) / len(picks) < 0.3
+
+
+def test_a_new_setting_is_one_entry_in_the_schema():
+    """Issue #55 item 5, shown: one ``Setting`` appended to ``schema.SETTINGS`` (and nothing else) gives the
+    launcher flag with its help and both spellings of a switch, a bad value refused naming the flag, the
+    typed value on the server config and on the scheduler's ``ServerDefaults``, the request field parsed
+    by the same kind, and its row in the docs' flags table. Run in a fresh interpreter: the derived
+    tables are built when the modules load."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent('''
+        import argparse, json
+        from sglang_kvx import schema
+        new = schema.Setting("demo_switch", "a switch nothing reads (this test's)", schema.Switch(), default="off",
+                             field_too=True)
+        schema.SETTINGS = (*schema.SETTINGS, new)
+        schema.FLAG_SETTINGS = (*schema.FLAG_SETTINGS, new)
+        schema.FIELD_SETTINGS = (*schema.FIELD_SETTINGS, new)
+        from sglang_kvx import config, settings
+        parser = argparse.ArgumentParser()
+        config.add_cli_args(parser)
+        bare, spelled = parser.parse_args(["--kvx-demo-switch"]), parser.parse_args(["--kvx-demo-switch", "off"])
+        built = config.build_config("knorm", "0.5", demo_switch=bare.kvx_demo_switch)
+        try:
+            config.build_config("knorm", "0.5", demo_switch="maybe")
+            refused = ""
+        except config.KvxConfigError as exc:
+            refused = str(exc)
+        defaults = settings.ServerDefaults.of(built, model_signals=frozenset())
+        fields = settings.parse_request_fields({"demo_switch": True})
+        print(json.dumps({"help": parser.format_help().count("--kvx-demo-switch"), "config": built.demo_switch,
+                          "spelled": config.build_config("knorm", "0.5", demo_switch=spelled.kvx_demo_switch).demo_switch,
+                          "refused": refused, "defaults": defaults.demo_switch, "field": fields.demo_switch,
+                          "table": "--kvx-demo-switch" in schema.flags_table()}))
+    ''')
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["help"] >= 1 and got["config"] is True and got["spelled"] is False and got["defaults"] is True
+    assert "--kvx-demo-switch" in got["refused"] and got["field"] is True and got["table"], got
