@@ -43,7 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: file_order.rank(item.path))  # stable: tests keep their order in a file
+    items.sort(key=lambda item: file_order.rank(item.nodeid))  # stable: tests keep their order in a file
     if not torch.cuda.is_available():
         no_cuda = pytest.mark.skip(reason="needs a CUDA device (marked gpu); this machine has none")
         for item in items:

@@ -1,37 +1,72 @@
-"""The order test files run in, and which files pytest-xdist runs on one worker.
+"""The order tests run in, and which tests pytest-xdist runs together on one worker.
 
-Server starts are most of the suite's time (~30 s each), so the files that use a server few others
-use run on one worker, one after another, and that server starts once for all of them; the longest
-groups go first, so that no long file starts last and keeps one worker busy while the other idles.
+Server starts are most of the suite's time (~30 s each alone, ~45 s beside the other worker), and
+a worker's pool keeps three servers: a server asked for again after three others were started in
+between is started again. So the unit of work is a *server group*: the tests that use one shared
+configuration, from whichever file, run one after another on one worker. The files that enumerate
+every mode (the combination matrix, request isolation, hostile input, SGLang's fields) give each
+mode's test to the group of that mode's server, so the matrix's sparse row runs beside the sparse
+file while that server is up. The longest groups go first, so that no long unit starts last and
+keeps one worker busy while the other idles. A test in no group runs with the rest of its file.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from fnmatch import fnmatchcase
 
-# Longest groups first (seconds summed from --durations); within a group, files using the same
-# servers adjacent. Unlisted files follow in their collection order.
-FILE_ORDER = (
-    # "cells": the learned-gate cells, the sparse and plain servers, and the files that use them too
-    "test_head_eviction_e2e.py", "test_sparse_attention_e2e.py", "test_request_isolation.py", "test_server_e2e.py",
-    "test_chunked_prefill_e2e.py", "test_frontend_and_openai.py",
-    # "recomputing": the recomputing hybrid and the compacting dense server
-    "test_attention_backends.py", "test_compaction_e2e.py", "test_oda_e2e.py", "test_policy_registry_e2e.py",
-    "test_schemathesis.py",
-    # one file each, with servers of their own
-    "test_parallel.py", "test_context_dir_e2e.py", "test_tier_soak.py", "test_host_tier_e2e.py", "test_gate_eviction_e2e.py",
-    "test_qwen3_next.py", "test_paged_kv_e2e.py", "test_smollm2.py", "test_qwen3_dense.py",
+# (group, the tests in it as patterns over "file::test[params]"), longest first (seconds summed from
+# --durations). The compacting servers, which nearly every group uses too, are the pool's "hot"
+# ones: the last stopped for room.
+SERVER_GROUPS = (
+    # the learned-gate checkpoints evicting by their gates (gated_spec), and the graph emulation's gate cell
+    ("gate", ("test_gate_eviction_e2e.py::*", "test_combinations.py::*[[]gated[]]",
+              "test_gpu_defaults.py::test_the_learned_gate_family_*")),
+    # the recomputing hybrid and the compacting servers
+    ("recomputing", ("test_attention_backends.py::*", "test_compaction_e2e.py::*", "test_oda_e2e.py::*",
+                     "test_policy_registry_e2e.py::*", "test_schemathesis.py::*")),
+    # the GPU-defaults servers (graphs emulated, overlap) beside the compacting ones
+    ("gpu", ("test_gpu_defaults.py::*",)),
+    # learned-gate cells with per-request decode steps (the gated_cell kind)
+    ("cells", ("test_head_eviction_e2e.py::*", "test_hostile_input.py::*[[]gated_cell-*")),
+    ("sparse", ("test_sparse_attention_e2e.py::*", "test_combinations.py::*[[]sparse[]]",
+                "test_request_isolation.py::*[[]sparse[]]")),
+    ("plain", ("test_server_e2e.py::*", "test_combinations.py::*[[]plain[]]", "test_hostile_input.py::*[[]plain-*")),
+    ("chunked", ("test_chunked_prefill_e2e.py::*", "test_frontend_and_openai.py::*", "test_combinations.py::*[[]chunked[]]",
+                 "test_sglang_truth_e2e.py::test_a_chunked_childs_usage",
+                 "test_sglang_truth_e2e.py::test_prompts_of_two_salts_never_make_one_auto_context")),
+    ("tiered", ("test_host_tier_e2e.py::*", "test_sglang_truth_e2e.py::test_children_restored_from_host_memory_*")),
+    ("paged", ("test_paged_kv_e2e.py::*", "test_combinations.py::*[[]paged[]]")),
 )
-GROUPS = {name: "cells" for name in FILE_ORDER[:6]} | {name: "recomputing" for name in FILE_ORDER[6:11]}
+# Files with servers of their own (or long fresh processes), longest first, after the groups;
+# unlisted files follow in their collection order.
+FILE_ORDER = (
+    "test_context_dir_e2e.py", "test_parallel.py", "test_tier_soak.py", "test_server_process.py", "test_qwen3_next.py",
+    "test_decode_steps.py", "test_kvzap_e2e.py", "test_smollm2.py", "test_admission_stalls.py", "test_qwen3_dense.py",
+)
 
 
-def rank(path: Path) -> int:
-    """Sort key of a test file: its place in FILE_ORDER (unlisted files after, in their order)."""
-    return FILE_ORDER.index(path.name) if path.name in FILE_ORDER else len(FILE_ORDER)
+def unit(nodeid: str) -> str:
+    """The work unit of a test: its server group, else its file (``tests/test_x.py``)."""
+    path, _, rest = nodeid.partition("::")
+    name = f"{path.rsplit('/', 1)[-1]}::{rest}"
+    for group, patterns in SERVER_GROUPS:
+        if any(fnmatchcase(name, pattern) for pattern in patterns):
+            return group
+    return path
+
+
+def rank(nodeid: str) -> int:
+    """Sort key of a test: its group's place, else its file's place in FILE_ORDER (unlisted files last)."""
+    group = unit(nodeid)
+    names = [name for name, _ in SERVER_GROUPS]
+    if group in names:
+        return names.index(group)
+    file_name = group.rsplit("/", 1)[-1]
+    return len(names) + (FILE_ORDER.index(file_name) if file_name in FILE_ORDER else len(FILE_ORDER))
 
 
 def make_file_group_scheduler(config, log):
-    """pytest-xdist's ``--dist loadfile``, where a work unit is a file or a whole GROUPS group.
+    """pytest-xdist's ``--dist loadfile``, where a work unit is a server group or a file (``unit``).
 
     Only the unit changes (``_split_scope``): pytest-xdist's own ``--dist loadgroup`` reads
     ``xdist_group`` markers from ``item._nodeid``, which pytest 9 no longer uses for node ids, so
@@ -40,7 +75,6 @@ def make_file_group_scheduler(config, log):
 
     class FileGroupScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return GROUPS.get(Path(path).name, path)
+            return unit(nodeid)
 
     return FileGroupScheduling(config, log)

@@ -58,6 +58,13 @@ def gpu_defaults_spec(base, dense: bool):
                 env=env)
 
 
+@pytest.fixture(scope="module", params=["tiny-hybrid-deep", "tiny-llama"])
+def demo_model(request) -> str:
+    """conftest's, the hybrid first: the dense model's graph tests then run right before this file's
+    dense-only tests (overlap, kernels), so its two servers are started once."""
+    return request.param
+
+
 @pytest.fixture
 def gpu_defaults(shared_specs, server_pool):
     """``gpu_defaults(model)``: (the GPU-defaults server, the eager compacting server) of a demo model."""
