@@ -450,3 +450,13 @@ def test_the_learned_gate_family_starts_and_serves_under_graph_emulation(server_
     assert answers[0][0] == answers[1][0] == 200
     assert answers[0][1]["output_ids"] == answers[1][1]["output_ids"]
     assert "graph_replays" not in emulated.stats()
+
+
+def test_on_demand_attentions_mechanism_lives_in_its_step():
+    """Item 7: what ODA needs from the forward and the server it declares on its step
+    (``DecodeStep.forward_outputs``, ``load_resources``); the runtime, the adapter and the config name none of it."""
+    package = ROOT / "sglang_kvx"
+    places = [*(package / "serve").rglob("*.py"), *(package / "adapter").rglob("*.py"), package / "config.py"]
+    found = [f"{path.relative_to(ROOT)}: {word}" for path in places for word in ("prev_hidden", "recall_head", "reads_hidden")
+             if word in path.read_text()]
+    assert not found, found
