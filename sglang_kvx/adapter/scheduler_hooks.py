@@ -335,9 +335,7 @@ def around_is_disable_overlap_for_batch(original, scheduler, batch, last_batch=N
     runtime = runtime_of(scheduler.req_to_token_pool)
     if runtime is None or not runtime.decode or batch is None or not batch.forward_mode.is_decode():
         return False
-    from sglang_kvx.serve.decoding import before_first_step
-
-    return before_first_step(runtime.decode, [SGLangRequest(req).row for req in batch.reqs if req.kv.holds_kv])
+    return runtime.decode.before_first_step([SGLangRequest(req).row for req in batch.reqs if req.kv.holds_kv])
 
 
 def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):

@@ -253,6 +253,10 @@ class DecodeRunner:
                 self.freed_slots += end - new_start
                 state.freed = (start, end)
 
+    def before_first_step(self, rows: list[int]) -> bool:
+        """Whether one of ``rows`` runs a decode step that has not begun its first step yet (its prefill just ran)."""
+        return any((state := self._live(row)) is not None and state.steps == 0 for row in rows)
+
     def _live(self, row: int) -> DecodeRow | None:
         state = self.rows.get(row)
         return None if state is None or state.failed else state
@@ -297,11 +301,6 @@ class DecodeRunner:
 
     def forget_all(self) -> None:
         self.rows.clear()
-
-
-def before_first_step(runner: DecodeRunner, rows: list[int]) -> bool:
-    """Whether one of ``rows`` runs a decode step that has not begun its first step yet (its prefill just ran)."""
-    return any((state := runner._live(row)) is not None and state.steps == 0 for row in rows)
 
 
 def _first_run_scores(runner: DecodeRunner, rows: list[int], batch_rows: list[int],
