@@ -23,8 +23,8 @@ from typing import Any
 
 from sglang_kvx.store.context_file import (MANIFEST_NAME, MARKER, MARKER_TEXT, MAX_MANIFEST_BYTES, TEMP_NAME,
                                            TENSORS_NAME, DiskEntry, RefusedFile, context_key, decode, encode,
-                                           owns_manifest, parse_manifest, read_regular, sign, tensors_name_of,
-                                           write_atomic)
+                                           owns_manifest, parse_manifest, read_regular, sign, tensor_file,
+                                           tensors_name_of, tensors_of, write_atomic, write_tensor_file)
 from sglang_kvx.store.fit_check import PoolFacts, misfit
 from sglang_kvx.store.tiers import TieredContext
 
@@ -187,8 +187,6 @@ class ContextDirectory:
     def read(self, entry: DiskEntry) -> TieredContext:
         """The context read back and checked against the pool. Raises ``RefusedFile`` (its files are then
         removed) or ``OSError`` (a file another server removed)."""
-        from safetensors.torch import load
-
         path = self.directory / entry.tensors
         try:
             try:
@@ -198,8 +196,9 @@ class ContextDirectory:
                 raise
             if hashlib.sha256(data).hexdigest() != entry.manifest["tensors_sha256"]:
                 raise RefusedFile("checksum", f"{entry.tensors} is torn or corrupted")
+            tensors = tensors_of(data, entry.tensors)
             try:
-                context = decode(entry.manifest, load(data))
+                context = decode(entry.manifest, tensors)
             except Exception as exc:  # noqa: BLE001 - whatever a bad file raises, it is refused, not served
                 raise RefusedFile("bad_tensors", f"{entry.tensors}: {type(exc).__name__}") from None
             if self.facts is not None and (problem := misfit(context, self.facts)):
@@ -225,39 +224,37 @@ class ContextDirectory:
         that can never fit is dropped (counted); a write that fails (no file form for its snapshot, an
         unwritable directory, a full disk) is counted and logged once, and the context stays in the
         tiers above as if this one were off."""
-        from safetensors.torch import save
-
         key = context_key(self.fingerprint, context.context_ids, context.settings)
         known = self.entries.get(key)
         if known is not None and (self.directory / known.tensors).exists():
             return []
         try:
             tensors, manifest = encode(context, self.fingerprint)
+            file = tensor_file(tensors)
         except ValueError as exc:
             self.write_failures += 1
             self.warn_once("encode", "sglang_kvx: a compacted context cannot be written to disk: %s", exc)
             return []
-        data = save(tensors)
-        if len(data) > self.capacity:
+        if file.nbytes > self.capacity:
             self.dropped += 1
             return []
-        let_go = self._make_room(len(data), keep=key)
-        digest = hashlib.sha256(data).hexdigest()
-        manifest.update(tensors=f"{key}.{digest[:16]}.safetensors", tensors_bytes=len(data), tensors_sha256=digest)
-        if self.secret is not None:
-            manifest["hmac"] = sign(manifest, self.secret)
+        let_go = self._make_room(file.nbytes, keep=key)
         try:
-            write_atomic(self.directory, manifest["tensors"], data)
+            name, digest = write_tensor_file(self.directory, key, file)
+            manifest.update(tensors=name, tensors_bytes=file.nbytes, tensors_sha256=digest)
+            if self.secret is not None:
+                manifest["hmac"] = sign(manifest, self.secret)
             write_atomic(self.directory, f"{key}.json", json.dumps(manifest).encode())
             info = (self.directory / f"{key}.json").stat()
         except OSError as exc:
             self.write_failures += 1
-            self._unlink(manifest["tensors"])
+            if "tensors" in manifest:
+                self._unlink(manifest["tensors"])
             self.warn_once("write", "sglang_kvx: cannot write context files to %s (%s): contexts stay in the tiers "
                            "above (logged once)", self.directory, exc.strerror or exc)
             return let_go
         self.written += 1
-        self.entries[key] = DiskEntry(key, manifest, context.context_ids, context.settings, len(data), info.st_mtime,
+        self.entries[key] = DiskEntry(key, manifest, context.context_ids, context.settings, file.nbytes, info.st_mtime,
                                       context.tenant, info.st_mtime_ns)
         return let_go
 
