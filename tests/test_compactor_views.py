@@ -163,18 +163,30 @@ def test_a_request_waits_only_for_what_will_end_and_is_refused_otherwise():
     pool.free(running)
 
 
-def test_a_request_that_fits_once_running_requests_finish_waits_instead_of_evicting():
+def test_idle_contexts_make_way_even_while_running_requests_would_free_the_room():
+    """As SGLang evicts its prefix cache for a queued request rather than making it wait for running
+    ones to end (a running request may decode for minutes), idle contexts go for it."""
     pool = TensorPool(slots=17)
     store = ContextStore()
     admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.0), num_rows=4)
-    _store_with(pool, store, [5, 5])
+    older, newer = _store_with(pool, store, [5, 5])
     running = pool.alloc(5)  # a running request's KV
     assert pool.room() == 1
-    admission.eviction.make_room(6)  # 1 free + 5 back when the running request ends: it waits
-    assert len(store) == 2 and admission.eviction.deferred == 1 and admission.eviction.evicted == 0
-    admission.eviction.make_room(8)  # more than that: only eviction can make the room (two 5-slot contexts)
-    assert len(store) == 0 and admission.eviction.evicted == 2
+    assert admission.eviction.make_room(6) is None  # 1 free + 5 back when the running request ends: evicted anyway
+    assert list(store.contexts.values()) == [newer] and admission.eviction.evicted == 1  # the least recently used
     pool.free(running)
+
+
+def test_make_way_evicts_one_idle_context_per_call_never_the_one_a_child_reads():
+    """SGLang's own budget check turned a request away: one idle context goes per call, least recently
+    used first, never the child's own context; False once none is left."""
+    pool = TensorPool(slots=17)
+    store = ContextStore()
+    admission = Admission(pool, store, ServerDefaults("knorm", 0.5, 0, frozenset(), min_store_fraction=0.0), num_rows=4)
+    older, newer, read = _store_with(pool, store, [3, 3, 3])
+    assert admission.eviction.make_way(keep=read, tenant=None) and list(store.contexts.values()) == [newer, read]
+    assert admission.eviction.make_way(keep=read, tenant=None) and list(store.contexts.values()) == [read]
+    assert not admission.eviction.make_way(keep=read, tenant=None) and admission.eviction.evicted_for_budget == 2
 
 
 def test_one_tenants_parents_cannot_evict_another_tenants_share_of_the_reserve():

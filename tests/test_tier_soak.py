@@ -7,6 +7,9 @@ when stored).
   queued behind a plain request that SGLang budgets the room for once a running request ends; the
   restore must not take that room from under it (it killed the scheduler: ``Out of memory`` in
   ``prepare_for_extend``).
+- Found under SGLang's bench_serving and bench_disk_write_stall: a request SGLang's budget turns
+  away (one slot short; the running requests' reserved growth) gets the room idle contexts hold, as
+  it would get the prefix cache's on plain SGLang (it waited for good, or until the long one ended).
 - Found by the soak: a child queued behind a running request must not hold, restored in the pool,
   the room that request's decode needs (it was aborted with 500); children of a context read from
   disk together restore it once (a second restore was a 500 and leaked its slots).
@@ -188,6 +191,72 @@ def test_a_queued_child_holds_no_room_a_running_request_needs(soak_server):
 
     finish(server, forget, "serving R and the child", answer_problems(out, {
         "R": null_reference, "child": child_reference(ref, context, keep, question, 8)}))
+
+
+def test_a_request_one_slot_short_of_the_budget_gets_the_idle_contexts_room(soak_server):
+    """Found under SGLang's bench_serving (disk tier, p = 0.5): nothing running, idle compacted
+    contexts holding most of the pool, and a plain request whose prompt plus growth is exactly the
+    free and evictable slots. SGLang admits only a total *below* its budget, the extension counted
+    it as fitting and evicted nothing: the request stayed queued for good, the scheduler spinning.
+    Here it is answered (as the plain model answers) and a context made way for it."""
+    server, ref, forget = soak_server
+    server.flush()
+    for seed in (5321, 5322):
+        parent = server.generate({"input_ids": ids(800, seed=seed), "sampling_params": {**GREEDY, "max_new_tokens": 0}}).json()
+        assert outcome(parent).get("compacted") is True, parent["meta_info"]
+    stats = server.stats()
+    assert len(stats["compacted_contexts"]) == 2, stats["compacted_contexts"]
+    room, evicted = stats["kv_pool_free_tokens"] + stats["kv_pool_evictable_tokens"], stats["contexts_evicted"]
+    prompt = ids(room - 16 - 1, seed=5323)  # + 16 new tokens + SGLang's one slot of overhead: the budget, not below it
+    out: dict = {}
+    post(server, prompt, 16, out, "X").join(60)
+    problems = answer_problems(out, {"X": lambda body: ref.greedy(prompt, 16)})
+    if not problems and server.stats()["contexts_evicted"] <= evicted:
+        problems.append("no idle context made way for the request")
+    finish(server, forget, "serving a request one slot short of the budget", problems)
+
+
+def test_a_request_the_running_growth_leaves_no_room_for_gets_the_idle_contexts_room(soak_server):
+    """Found by bench_disk_write_stall: a plain request R decodes with a large ``max_new_tokens``;
+    SGLang's budget holds R's remaining growth in reserve (all of it for ``ignore_eos``: 1,000 - k
+    after k steps), so a new plain request X (1,500 tokens) that the free slots hold is turned away
+    while idle contexts (3 x 275 slots) sit in the pool: 3,072 - 825 - 64 - 1,000 = 1,183 left. X waited until R finished (minutes
+    there); on plain SGLang those slots would be evictable cache and X would run now. Here X is
+    answered, as the plain model answers, while R still decodes, and contexts made way for it."""
+    server, ref, forget = soak_server
+    server.flush()
+    for seed in (5331, 5332, 5333):  # 3 x 275 slots
+        parent = server.generate({"input_ids": ids(1100, seed=seed), "sampling_params": {**GREEDY, "max_new_tokens": 0}}).json()
+        assert outcome(parent).get("compacted") is True, parent["meta_info"]
+    evicted = server.stats()["contexts_evicted"]
+    stop, chunks = threading.Event(), []
+
+    def run_r():  # R streams until X is answered, then closes its stream (SGLang aborts it)
+        body = {"input_ids": ids(64, seed=5334), "stream": True,
+                "sampling_params": {**GREEDY, "max_new_tokens": 1000, "ignore_eos": True}}
+        with requests.post(server.url + "/generate", json=body, stream=True, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data:"):
+                    chunks.append(line)
+                if stop.is_set():
+                    return
+
+    runner = threading.Thread(target=run_r, daemon=True)
+    runner.start()
+    poll(lambda: len(chunks) >= 20, 60, "R decoding")
+    prompt, out = ids(1500, seed=5335), {}
+    sender = post(server, prompt, 1, out, "X")
+    sender.join(120)
+    r_decoding = runner.is_alive() and not any(b"[DONE]" in chunk for chunk in chunks)
+    stop.set()
+    runner.join(60)
+    problems = answer_problems(out, {"X": lambda body: ref.greedy(prompt, 1)})
+    if not r_decoding:
+        problems.append(f"X was answered only after R ended ({len(chunks)} chunks)")
+    if server.stats()["contexts_evicted"] <= evicted:
+        problems.append("no idle context made way for X")
+    poll(lambda: loads(server.url)["num_running_reqs"] == 0, 60, "R aborted")
+    finish(server, forget, "serving X beside a long-running R", problems)
 
 
 def test_children_of_a_context_read_from_disk_get_it_once(soak_server, tmp_path):

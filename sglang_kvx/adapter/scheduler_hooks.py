@@ -239,19 +239,23 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
     pool gets it back only if the budget (live: after every request admitted before it) has room, then
     is matched again (now a child, or plain). A child whose restore waits for room ends the round as
     any request that does not fit does (NO_TOKEN); one waiting for its context's second passes or its
-    file stays in the queue while the requests behind it go on."""
+    file stays in the queue while the requests behind it go on. A request SGLang's own check turns
+    away for want of room (NO_TOKEN: it pins the request's matched prefix, reserves the running
+    requests' growth and admits only a total below the budget) is checked again after each idle
+    context evicted for it: on plain SGLang what those contexts hold would be evictable cache."""
     runtime = runtime_of(adder.tree_cache.req_to_token_pool)
     if runtime is not None:
+        from sglang.srt.managers.schedule_policy import AddReqResult
         from sglang_kvx.adapter.views import SGLangRoundBudget
 
         request = SGLangRequest(req)
         if runtime.admit_restore(request, SGLangRoundBudget(adder)):
             req.init_next_round_input(adder.tree_cache)
         if waits(request):
-            from sglang.srt.managers.schedule_policy import AddReqResult
-
             return AddReqResult.NO_TOKEN if waits_for_room(request) else AddReqResult.CONTINUE
         result = original(adder, req, *args, **kwargs)
+        while result == AddReqResult.NO_TOKEN and may_ask_again(adder, req) and runtime.make_way(request):
+            result = original(adder, req, *args, **kwargs)
         if adder.can_run_list and adder.can_run_list[-1] is req:
             # SGLang's hit-rate counts the child's S slots as its cached prefix; the prompt tokens it did
             # not prefill are the context's n (sglang:cache_hit_rate, the realtime prefill_cache tokens).
@@ -261,6 +265,14 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
             runtime.left_in_queue(request)  # a child SGLang did not take pins no context meanwhile
         return result
     return original(adder, req, *args, **kwargs)
+
+
+def may_ask_again(adder, req) -> bool:
+    """Whether ``add_one_req`` may be called again for a request it turned away with NO_TOKEN: its
+    checks change nothing before they pass, except on the path for ``ignore_eos`` requests without a
+    radix cache, which records the request's growth first (a second call would count it twice)."""
+    taken = adder.can_run_list and adder.can_run_list[-1] is req
+    return not taken and not (req.sampling_params.ignore_eos and getattr(adder.tree_cache, "disable", True))
 
 
 def after_release_aborted_request(result, scheduler, req, *_args, **_kwargs):

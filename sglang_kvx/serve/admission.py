@@ -15,9 +15,11 @@ Each request entering a prefill round gets one ``Plan`` (``serve/plans.py``) fro
   _child_checks what a child cannot be (log-probabilities inside the context; a decode step that
                 does not apply to such a child): plain with the reason, or refused
   _room         room for a pooled context's child (idle contexts evicted, least recently used first)
-  admit_restore (a held context, run where SGLang charges the request to the round's budget) the
-                context comes back into the pool only where the budget has room for it and for the
-                child; else the child waits, or is served by a full prefill with the reason
+  admit_restore (a held context; ``serve/restore_step.py``, run where SGLang charges the request to
+                the round's budget) the context comes back into the pool only where the budget has
+                room for it and for the child; else the child waits, or is served by a full prefill
+  make_way      (any request SGLang's own budget check turned away) one more idle context goes and
+                SGLang checks again, as its prefix cache's entries would make way on plain SGLang
 
 Nothing here allocates a slot outside ``admit_restore``, and ``admit_restore`` allocates only what
 the round's budget shows free after every request it already admitted: SGLang's own allocation for
@@ -35,7 +37,8 @@ from sglang_kvx.ports import KVPool, Request, RoundBudget
 from sglang_kvx.serve.child_rows import ChildRows
 from sglang_kvx.serve.eviction import StoreEviction
 from sglang_kvx.serve.plans import (CHILD, PARENT_PLAN, PLAIN, PLAIN_PLAN, REFUSE, REFUSED, RESTORE, WAIT_PASSES,
-                                    WAIT, WAIT_READ, WAIT_ROOM, Plan, refuse, wait)
+                                    WAIT_READ, Plan, refuse, wait)
+from sglang_kvx.serve.restore_step import RestoreStep
 from sglang_kvx.serve.request_state import RequestState, settings_of, state_of
 from sglang_kvx.settings import CompactionSettings, ServerDefaults
 from sglang_kvx.store import CompactedContext, ContextStore
@@ -57,6 +60,7 @@ class Admission:
         self.store = store
         self.defaults = defaults
         self.rows = ChildRows(pool, num_rows)
+        self.restore = RestoreStep(pool, store, self.eviction)
 
     # --- a request's fields, parsed once ---------------------------------------------------------
 
@@ -214,57 +218,16 @@ class Admission:
     # --- a held context back into the pool, within the round's budget ------------------------------
 
     def admit_restore(self, request: Request, budget: RoundBudget) -> None:
-        """Where SGLang charges a request whose plan is RESTORE to the round's budget: its context back
-        into the pool if the budget (what the requests admitted before it in this round and the running
-        ones leave) holds the context's S slots and the child's own; else it waits (running requests
-        hold the room, or its file is still being read) or, when the room can never be had or the
-        context cannot come back, its plan is cleared with the reason: the caller matches it again,
-        now a child of the restored context, or plain."""
-        state = request.state
-        held = state.plan.held
-        entry = self.tiering.ready(held)
-        if entry is None:
-            state.plan = Plan(WAIT, held=held, reason=WAIT_READ)
-            return
-        if isinstance(entry, str):
-            return self._restore_failed(state, entry)
-        if self.store.get(entry.context_ids, entry.settings) is not None:
-            state.plan = None  # another child brought it back meanwhile: this one reads it from the pool
-            return
-        need = entry.num_slots + self._wanted(request, len(request.input_ids) - entry.n)
-        # Idle pooled contexts make way first; what can never be freed for it leaves it to a full prefill.
-        never = self.eviction.make_room(need, tenant=state.fields.tenant)
-        if never is not None:
-            return self._restore_failed(state, self.tiering.failed(
-                f"no room in the KV pool for the {entry.num_slots} slots of the {entry.n}-token context held in the "
-                f"{held.tier.name} tier and its child ({never})"))
-        room = budget.room()
-        if room < need:
-            if self.eviction.running_slots() > 0 or room < self.pool.room():
-                # Requests running, or admitted before it this round, hold the room: free once they end.
-                self.tiering.restore_waits += 1
-                state.plan = wait(WAIT_ROOM)
-                return
-            return self._restore_failed(state, self.tiering.failed(  # nothing will free more: never wait for it
-                f"no room in the round's budget for the {entry.num_slots} slots of the {entry.n}-token context held "
-                f"in the {held.tier.name} tier and its child ({room} of {need})"))
-        context, problem = self.tiering.restore(held, entry)
-        if context is None:
-            if problem is None:
-                state.plan = wait(WAIT_ROOM)
-                return
-            return self._restore_failed(state, problem)
-        self.store.add(context, compacted=False)
-        state.restored = {"restored_from": held.tier.name, "restore_s": context.timings["restore_s"]}
-        state.plan = None
+        """Where SGLang charges a request whose plan is RESTORE to the round's budget (``serve/restore_step.py``)."""
+        self.restore.admit(request, budget)
 
-    @staticmethod
-    def _restore_failed(state: RequestState, problem: str) -> None:
-        """Served as if nothing were stored below the pool: a full prefill, or a child of the pool's best."""
-        state.skip_tiers = True
-        state.outcome = {"child": False, "reason": problem}  # a child of the pool's best says it as restore_failed
-        state.restored = {"restore_failed": problem}
-        state.plan = None
+    def make_way(self, request: Request) -> bool:
+        """SGLang's round budget could not hold ``request``: an idle context goes (never the one it
+        reads, nor another tenant's reserved ones). Whether one went."""
+        state = request.state
+        if state is None or state.waits:
+            return False
+        return self.eviction.make_way(state.context, state.fields.tenant)
 
     # --- leaving -----------------------------------------------------------------------------------
 

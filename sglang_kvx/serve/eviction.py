@@ -27,7 +27,7 @@ class StoreEviction:
         self.held_slots = held_slots  # slots held outside requests and the prefix cache
         self.tenant_reserve = TenantReserve(defaults.reserved_tenants)  # whose contexts the store's reserve keeps
         self.evicted = 0
-        self.deferred = 0  # times a request that fits after the running ones finish waited instead of evicting
+        self.evicted_for_budget = 0  # of those, where SGLang's round budget could not hold a request
         self.refused = 0  # times the rest of the store was reserved or in use: no eviction
         # Where evicted contexts go instead of nowhere (--kvx-host-store-gb), and come back from.
         facts = PoolFacts.of(pool)
@@ -40,40 +40,54 @@ class StoreEviction:
     def slots_wanted(self, prompt_tokens: int, max_new_tokens: int | None) -> int:
         """What a request will need as SGLang's PrefillAdder counts it: the prompt in whole pages, its
         growth clipped as SGLang clips it when admitting (a huge max_new_tokens reserves no more than
-        that) and one page of rounding. One slot less and a request SGLang cannot admit would be
-        judged to fit: queued for good with nothing running to free room."""
+        that), one page of rounding, and one slot more: SGLang admits only a total *below* its budget.
+        One slot less and a request SGLang cannot admit is judged to fit (a 2,791-token prompt with 16
+        new tokens against 2,808 free and evictable slots: queued for good, nothing running to free
+        room, under SGLang's bench_serving). ``make_way`` backs this estimate with SGLang's own check."""
         page = self.defaults.page_size
-        return -(-prompt_tokens // page) * page + min(max_new_tokens or 0, self.defaults.growth_estimate_cap) + page
+        return -(-prompt_tokens // page) * page + min(max_new_tokens or 0, self.defaults.growth_estimate_cap) + page + 1
 
     def make_room(self, tokens: int, keep: CompactedContext | None = None, tenant: str | None = None) -> str | None:
         """Evict idle compacted contexts, least recently used first, while the pool (free slots plus
-        what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens.
+        what the prefix cache can evict) cannot hold a waiting request of ``tokens`` tokens, as
+        SGLang evicts its prefix cache's entries for it: a request never waits for running requests
+        to end while idle contexts hold the room (one of them may run for minutes).
 
-        Never for a request that fits once the running requests finish (SGLang queues it; it
-        retries, so this runs again), and never another tenant's contexts within its share of the
-        store's reserve (``--kvx-min-store-fraction``): a request may evict what no tenant reserves,
-        then its own tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the
-        former). Returns why the request can never be admitted (None: it fits now or will once
-        running requests and children end): what it may never evict is too much of the pool."""
+        Never another tenant's contexts within its share of the store's reserve
+        (``--kvx-min-store-fraction``): a request may evict what no tenant reserves, then its own
+        tenant's contexts (``custom_params.kvx.tenant``; untagged requests only the former). Returns
+        why the request can never be admitted (None: it fits now or will once running requests and
+        children end): what it may never evict is too much of the pool."""
         room = self.pool.room()
         if room >= tokens:
             return None
-        running = self.running_slots(room)
-        if running > 0 and room + running >= tokens:
-            self.deferred += 1
-            return None
         reserved = self._reserved(keep)
         while room < tokens:
-            idle = [c for c in self.store.contexts.values()
-                    if c.active_children == 0 and c is not keep
-                    and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
-            if not idle:
+            if not self._evict_lru(keep, tenant, reserved, "to make room"):
                 self.refused += 1  # what is left is reserved or in use
                 return self._never_fits(tokens, room, keep, reserved, tenant)
-            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
-            self.evict(victim)
             room = self.pool.room()
-            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) to make room", victim.n, victim.num_slots)
+
+    def make_way(self, keep: CompactedContext | None, tenant: str | None) -> bool:
+        """SGLang's round budget could not hold a request (its own check, which ``slots_wanted`` only
+        estimates: it pins the request's matched prefix, reserves the running requests' growth and
+        what this round admitted): one more idle context goes, as ``make_room`` chooses it. Whether
+        one went (the caller asks SGLang again)."""
+        if not self._evict_lru(keep, tenant, self._reserved(keep), "for a request SGLang's budget could not hold"):
+            return False
+        self.evicted_for_budget += 1
+        return True
+
+    def _evict_lru(self, keep: CompactedContext | None, tenant: str | None, reserved: set[int], why: str) -> bool:
+        idle = [c for c in self.store.contexts.values()
+                if c.active_children == 0 and c is not keep
+                and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
+        self.evict(victim)
+        logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) %s", victim.n, victim.num_slots, why)
+        return True
 
     def running_slots(self, room: int | None = None) -> int:
         """Slots held by requests now in flight (neither free, nor evictable, nor the store's)."""

@@ -24,7 +24,7 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "compactions_failed_incomplete_recording": runtime.parents.incomplete_recordings,
         "compactions_failed": runtime.failures,
         "contexts_evicted": runtime.admission.eviction.evicted,
-        "evictions_deferred_to_waiting": runtime.admission.eviction.deferred,
+        "evictions_for_round_budget": runtime.admission.eviction.evicted_for_budget,
         "evictions_refused_reserved": runtime.admission.eviction.refused,
         "second_passes_pending": len(runtime.second_pass.jobs),
         "children_waited_for_second_passes": runtime.admission.children_waited,

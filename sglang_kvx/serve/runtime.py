@@ -123,6 +123,11 @@ class Runtime:
             return False
         return not state.waits
 
+    def make_way(self, request: Request) -> bool:
+        """SGLang's round budget turned ``request`` away: whether an idle context was evicted for it
+        (``Admission.make_way``; the caller asks SGLang again)."""
+        return self.admission.make_way(request)
+
     def left_in_queue(self, request: Request) -> None:
         """SGLang did not take a queued request this round, or dropped it (aborted before it ran): a
         context it adopted is idle again until it is taken (``Admission.unadopt``)."""
