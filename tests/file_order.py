@@ -19,22 +19,23 @@ from fnmatch import fnmatchcase
 # ones: the last stopped for room.
 SERVER_GROUPS = (
     # the learned-gate checkpoints evicting by their gates (gated_spec), and the graph emulation's gate cell
-    ("gate", ("test_gate_eviction_e2e.py::*", "test_combinations.py::*[[]gated[]]",
-              "test_gpu_defaults.py::test_the_learned_gate_family_*")),
+    ("gate", ("test_combinations.py::*[[]gated[]]", "test_gpu_defaults.py::test_the_learned_gate_family_*",
+              "test_gate_eviction_e2e.py::*")),
     # the recomputing hybrid and the compacting servers
     ("recomputing", ("test_attention_backends.py::*", "test_compaction_e2e.py::*", "test_oda_e2e.py::*",
                      "test_policy_registry_e2e.py::*", "test_schemathesis.py::*")),
     # the GPU-defaults servers (graphs emulated, overlap) beside the compacting ones
     ("gpu", ("test_gpu_defaults.py::*",)),
     # learned-gate cells with per-request decode steps (the gated_cell kind)
-    ("cells", ("test_head_eviction_e2e.py::*", "test_hostile_input.py::*[[]gated_cell-*")),
-    ("sparse", ("test_sparse_attention_e2e.py::*", "test_combinations.py::*[[]sparse[]]",
-                "test_request_isolation.py::*[[]sparse[]]")),
-    ("plain", ("test_server_e2e.py::*", "test_combinations.py::*[[]plain[]]", "test_hostile_input.py::*[[]plain-*")),
-    ("chunked", ("test_chunked_prefill_e2e.py::*", "test_frontend_and_openai.py::*", "test_combinations.py::*[[]chunked[]]",
+    ("cells", ("test_hostile_input.py::*[[]gated_cell-*", "test_head_eviction_e2e.py::*")),
+    ("sparse", ("test_combinations.py::*[[]sparse[]]", "test_request_isolation.py::*[[]sparse[]]",
+                "test_sparse_attention_e2e.py::*")),
+    ("plain", ("test_combinations.py::*[[]plain[]]", "test_hostile_input.py::*[[]plain-*", "test_server_e2e.py::*")),
+    ("chunked", ("test_combinations.py::*[[]chunked[]]", "test_compaction_e2e.py::test_a_kvzip_child_sent_before_*",
+                 "test_chunked_prefill_e2e.py::*", "test_frontend_and_openai.py::*",
                  "test_sglang_truth_e2e.py::test_a_chunked_childs_usage",
                  "test_sglang_truth_e2e.py::test_prompts_of_two_salts_never_make_one_auto_context")),
-    ("tiered", ("test_host_tier_e2e.py::*", "test_sglang_truth_e2e.py::test_children_restored_from_host_memory_*")),
+    ("tiered", ("test_sglang_truth_e2e.py::test_children_restored_from_host_memory_*", "test_host_tier_e2e.py::*")),
     ("paged", ("test_paged_kv_e2e.py::*", "test_combinations.py::*[[]paged[]]")),
 )
 # Files with servers of their own (or long fresh processes), longest first, after the groups;
@@ -49,20 +50,30 @@ def unit(nodeid: str) -> str:
     """The work unit of a test: its server group, else its file (``tests/test_x.py``)."""
     path, _, rest = nodeid.partition("::")
     name = f"{path.rsplit('/', 1)[-1]}::{rest}"
-    for group, patterns in SERVER_GROUPS:
-        if any(fnmatchcase(name, pattern) for pattern in patterns):
-            return group
-    return path
+    return _placed(name)[0] or path
 
 
-def rank(nodeid: str) -> int:
-    """Sort key of a test: its group's place, else its file's place in FILE_ORDER (unlisted files last)."""
-    group = unit(nodeid)
-    names = [name for name, _ in SERVER_GROUPS]
-    if group in names:
-        return names.index(group)
-    file_name = group.rsplit("/", 1)[-1]
-    return len(names) + (FILE_ORDER.index(file_name) if file_name in FILE_ORDER else len(FILE_ORDER))
+def _placed(name: str) -> tuple[str, int, int]:
+    """(group, its place, the first pattern's place in it) of ``file::test[params]``; ("", ...) in none. A
+    test's most specific pattern wins: a pattern naming a test before one naming a whole file."""
+    matches = [(pattern.endswith("::*"), g, p, group) for g, (group, patterns) in enumerate(SERVER_GROUPS)
+               for p, pattern in enumerate(patterns) if fnmatchcase(name, pattern)]
+    if not matches:
+        return "", len(SERVER_GROUPS), 0
+    _, g, p, group = min(matches)
+    return group, g, p
+
+
+def rank(nodeid: str) -> tuple[int, int]:
+    """Sort key of a test: its group's place and, within the group, its pattern's (the tests of one server
+    adjacent: a group's first patterns are the tests whose servers its later ones stop for room), else
+    its file's place in FILE_ORDER (unlisted files last)."""
+    path, _, rest = nodeid.partition("::")
+    file_name = path.rsplit("/", 1)[-1]
+    group, g, p = _placed(f"{file_name}::{rest}")
+    if group:
+        return g, p
+    return len(SERVER_GROUPS) + (FILE_ORDER.index(file_name) if file_name in FILE_ORDER else len(FILE_ORDER)), 0
 
 
 def make_file_group_scheduler(config, log):
