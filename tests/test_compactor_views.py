@@ -252,11 +252,14 @@ def test_a_decode_step_short_of_room_takes_idle_unreserved_contexts_only():
     in_use, old, middle, recent = _store_with(pool, store, [2, 3, 3, 4])  # 0.3 x 17 = 5: the most recent reserved
     in_use.active_children = 1
     running = pool.alloc(pool.room())  # the running requests hold every free slot
-    assert admission.eviction.free_for_decode(2) and list(store.contexts.values()) == [in_use, middle, recent]
+    assert admission.eviction.free_idle(2) and list(store.contexts.values()) == [in_use, middle, recent]
     assert pool.room() == 3  # the oldest idle context's 3 slots: enough, so the middle one stays
-    assert admission.eviction.free_for_decode(6) and list(store.contexts.values()) == [in_use, recent]
-    assert not admission.eviction.free_for_decode(20)  # only the reserved and the in-use contexts are left
+    assert admission.eviction.free_idle(6) and list(store.contexts.values()) == [in_use, recent]
+    assert not admission.eviction.free_idle(20)  # only the reserved and the in-use contexts are left
     assert list(store.contexts.values()) == [in_use, recent] and admission.eviction.evicted == 2
+    # A prefill batch's allocation that would fail (SGLang did not budget it: a chunked request's next
+    # chunk) takes the reserved one too; never the one in use.
+    assert admission.eviction.free_idle(20, reserved_too=True) and list(store.contexts.values()) == [in_use]
     pool.free(running)
 
 

@@ -28,8 +28,9 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.managers.scheduler.Scheduler._release_aborted_request": ("after_release_aborted_request", HOOK_AFTER),
     "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.prefix_device_indices": (
         "around_prefix_device_indices", HOOK_AROUND),
-    # Rows are assigned here: children's offsets and recurrent states, parents' recordings.
-    "sglang.srt.mem_cache.allocation.alloc_for_extend": ("after_alloc_for_extend", HOOK_AFTER),
+    # Rows are assigned here: children's offsets and recurrent states, parents' recordings; before it,
+    # idle compacted contexts make way where the batch's allocation would otherwise fail.
+    "sglang.srt.mem_cache.allocation.alloc_for_extend": ("around_alloc_for_extend", HOOK_AROUND),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("after_forward_batch_init", HOOK_AFTER),
     "sglang.srt.mem_cache.common.release_kv_cache": ("around_release_kv_cache", HOOK_AROUND),
     # The decode step's room: idle unreserved compacted contexts go before SGLang retracts a request.

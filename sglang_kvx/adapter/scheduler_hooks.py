@@ -289,10 +289,20 @@ def around_prefix_device_indices(original, tree_cache, req):
     return original(tree_cache, req) if slots is None else slots
 
 
-def after_alloc_for_extend(result, batch, *_args, **_kwargs):
+def around_alloc_for_extend(original, batch, *args, **kwargs):
+    """A prefill batch's slots. SGLang budgeted it when it formed the batch, but a chunked request's
+    later chunks are allocated without a budget check (they must make progress), and what compaction
+    took in between (a parent whose context was mostly a prefix-cache hit owns too few slots for its
+    compacted copy) is not in that budget: idle compacted contexts make way first, as SGLang's prefix
+    cache would, so that the allocation cannot fail for want of what they hold (it ended the scheduler
+    under SGLang's bench_serving). Then the rows are assigned."""
     runtime = runtime_of(batch.req_to_token_pool)
-    if runtime is not None:
-        runtime.after_alloc([SGLangRequest(req) for req in batch.reqs])
+    if runtime is None:
+        return original(batch, *args, **kwargs)
+    page = batch.token_to_kv_pool_allocator.page_size
+    runtime.make_extend_room(int(batch.extend_num_tokens) + page * len(batch.reqs))  # a page of rounding per request
+    result = original(batch, *args, **kwargs)
+    runtime.after_alloc([SGLangRequest(req) for req in batch.reqs])
     return result
 
 

@@ -117,22 +117,24 @@ class StoreEviction:
                 f"{self.defaults.growth_estimate_cap} as SGLang counts them), more than this server can free for it: of the pool's {self.pool.total} slots, {held}; "
                 f"ask for fewer max_new_tokens or send a shorter prompt")
 
-    def free_for_decode(self, tokens: int) -> bool:
+    def free_idle(self, tokens: int, reserved_too: bool = False) -> bool:
         """A decode step of the running requests needs ``tokens`` slots the pool lacks: give up idle
         contexts no tenant's reserve keeps, least recently used first, before SGLang retracts a
         request (it cannot take the store's slots; on plain SGLang that room would be free).
-        Whether anything was freed."""
+        ``reserved_too``: then the reserved ones, least recently used first (where the alternative is
+        an allocation that fails). Whether anything was freed."""
         reserved = self._reserved(None)
         freed = False
         while self.pool.room() < tokens:
-            idle = [c for c in self.store.contexts.values() if c.active_children == 0 and id(c) not in reserved]
+            idle = [c for c in self.store.contexts.values()
+                    if c.active_children == 0 and (reserved_too or id(c) not in reserved)]
             if not idle:
                 break
-            victim = min(idle, key=lambda c: c.last_used)
+            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
             self.evict(victim)
             freed = True
-            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) for running requests' decode",
-                        victim.n, victim.num_slots)
+            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) for %s", victim.n, victim.num_slots,
+                        "a prefill batch's allocation" if reserved_too else "running requests' decode")
         return freed
 
     def kept_from(self, tenant: str | None) -> int:

@@ -195,7 +195,12 @@ class Runtime:
     def make_decode_room(self, tokens: int) -> bool:
         """The running requests' next decode step lacks ``tokens`` slots: idle unreserved contexts go
         first (whether any did), before SGLang retracts a request."""
-        return self.admission.eviction.free_for_decode(tokens)
+        return self.admission.eviction.free_idle(tokens)
+
+    def make_extend_room(self, tokens: int) -> bool:
+        """A prefill batch is about to take ``tokens`` slots that the pool may lack (what SGLang did not
+        budget): idle contexts go, the reserved ones last -- the alternative is the scheduler's death."""
+        return self.admission.eviction.free_idle(tokens, reserved_too=True)
 
     def after_alloc(self, requests: Sequence[Request]) -> None:
         """Rows are assigned: offsets and recurrent states of children; recordings of parents."""
