@@ -1,11 +1,11 @@
 """A running request's decode steps while the disk tier writes a large context (issue #53 item 4).
 
     OMP_NUM_THREADS=1 python perf/bench_disk_write_stall.py [--model smollm2] [--context-mib 64]
-        [--decode-tokens 600] [--keep-fraction 0.9] [--repeats 3]
+        [--decode-tokens 3000] [--keep-fraction 0.9] [--repeats 16]
 
 One real server with ``--kvx-context-dir`` on a temporary directory and ``--kvx-persist-contexts on``:
 every compacted context is written to disk as soon as it is stored. A plain request R generates
-``--decode-tokens`` tokens (streamed: one chunk per decode step, each timestamped on arrival). While
+up to ``--decode-tokens`` tokens (streamed: one chunk per decode step, each timestamped on arrival). While
 it runs, a parent P is sent whose compacted context is about ``--context-mib`` MiB (SmolLM2-135M in
 float32: 46 KiB of keys and values a token; tiny-llama: 2 KiB); when P's response arrives its file
 is being written (serialise, SHA-256, fsync, rename: on the disk tier's worker thread), and it is on
@@ -13,9 +13,9 @@ disk when its manifest appears in the directory (written last). Compared, within
 
 - ``median_step_s_no_write``: R's inter-token times before P was sent;
 - ``median_step_s_during_write`` and ``max_step_s_during_write``: R's inter-token times that start
-  between P's response and its manifest's appearance (the steps the write overlapped; the step that
-  spans P's own prefill and compaction is SGLang's prefill holding the decode batch, not the write),
-  over ``--repeats`` parents sent one after another;
+  from R's first step after P's prefill until P's manifest appears (the steps the write overlapped;
+  the step that spans P's own prefill and compaction is SGLang's prefill holding the decode batch,
+  not the write), over ``--repeats`` parents sent one after another;
 - ``ratio``: the two medians (the issue's bar: at most 1.2 on this machine) and ``max_over_median``.
 
 Prints one JSON object, last. ``--model tiny-llama --context-mib 1`` is the smoke size.
@@ -56,8 +56,9 @@ def ids(seed: int, n: int, vocab: int) -> list[int]:
     return [rng.randrange(10, vocab - 1) for _ in range(n)]
 
 
-def stream_times(url: str, input_ids: list[int], tokens: int, out: list[float]) -> None:
-    """R: each streamed chunk's arrival time (one decode step each, stream_interval 1)."""
+def stream_times(url: str, input_ids: list[int], tokens: int, out: list[float], stop: threading.Event) -> None:
+    """R: each streamed chunk's arrival time (one decode step each, stream_interval 1), until ``stop``
+    is set (the stream is then closed: SGLang aborts R) or ``tokens`` were generated."""
     body = {"input_ids": input_ids, "stream": True,
             "sampling_params": {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}}
     with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as response:
@@ -65,6 +66,8 @@ def stream_times(url: str, input_ids: list[int], tokens: int, out: list[float]) 
         for line in response.iter_lines():
             if line.startswith(b"data:") and line != b"data: [DONE]":
                 out.append(time.perf_counter())
+            if stop.is_set():
+                return
 
 
 def main() -> None:
@@ -72,23 +75,27 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(BYTES_PER_TOKEN), default="smollm2")
     parser.add_argument("--context-mib", type=float, default=64.0)
     parser.add_argument("--keep-fraction", type=float, default=0.9)
-    parser.add_argument("--decode-tokens", type=int, default=600)
-    parser.add_argument("--repeats", type=int, default=3, help="parents written one after another (default: %(default)s)")
+    parser.add_argument("--decode-tokens", type=int, default=3000, help="R's max_new_tokens (R is stopped a second "
+                        "after the last write; default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=16, help="parents written one after another (default: %(default)s)")
     args = parser.parse_args()
 
     kept = math.ceil(args.context_mib * 2**20 / BYTES_PER_TOKEN[args.model])
     parent_tokens = math.ceil(kept / args.keep_fraction)
     vocab = json.loads((Path(model_path(args.model)) / "config.json").read_text())["vocab_size"]
-    pool = 2 * parent_tokens + args.decode_tokens + 1024  # a stored context beside the next parent's prefill
+    # A stored context beside the next parent's prefill, and R's tokens twice: SGLang's budget holds R's
+    # remaining max_new_tokens in reserve (the parent would otherwise wait for R to finish).
+    pool = 2 * parent_tokens + 2 * args.decode_tokens + 1024
     directory = Path(tempfile.mkdtemp(prefix="kvx-write-stall-"))
     flags = ["--kvx-policy", "knorm", "--kvx-keep-fraction", str(args.keep_fraction), "--kvx-min-store-fraction", "0",
              "--kvx-context-dir", str(directory), "--kvx-persist-contexts", "on",
-             "--context-length", str(pool), "--chunked-prefill-size", str(pool)]
+             "--context-length", str(max(parent_tokens, args.decode_tokens) + 128), "--chunked-prefill-size", str(pool)]
     with ServerProcess(model_path(args.model), *flags, max_total_tokens=pool) as server:
         times: list[float] = []
-        runner = threading.Thread(target=stream_times, args=(server.url, ids(1, 64, vocab), args.decode_tokens, times))
+        stop = threading.Event()
+        runner = threading.Thread(target=stream_times, args=(server.url, ids(1, 64, vocab), args.decode_tokens, times, stop))
         runner.start()
-        while len(times) < args.decode_tokens // 4:  # R decoding alone for a quarter of its tokens
+        while len(times) < 300:  # R decoding alone for 300 steps
             time.sleep(0.01)
         sent = time.perf_counter()
         windows = []  # (P's response, its manifest on disk), one per parent
@@ -104,15 +111,18 @@ def main() -> None:
                 time.sleep(0.002)
             windows.append((asked, answered, time.perf_counter()))
             time.sleep(1.0)  # R alone again before the next parent
+        stop.set()
         runner.join()
-        assert len(times) == args.decode_tokens, f"R streamed {len(times)} of {args.decode_tokens} steps"
+        assert times[-1] > windows[-1][2], "R ended before the last write did: raise --decode-tokens"
         stats = server.stats()
     files = [p.stat().st_size for p in directory.iterdir() if p.suffix == ".safetensors"]
     steps = [(a, b - a) for a, b in zip(times, times[1:])]
     before = [d for t, d in steps[5:] if t + d < sent]  # the first steps warm up
-    # A step the write overlapped starts after P's response (the step spanning P's prefill and
-    # compaction waits for that batch, as any prefill holds SGLang's decode) and before its manifest.
-    during = [d for t, d in steps if any(answered <= t < written for _, answered, written in windows)]
+    # The steps the write overlapped: from R's first step after P's prefill (the step spanning P's
+    # prefill and compaction, in flight halfway through it, is a prefill holding SGLang's decode, not
+    # the write: left out) to P's manifest on disk.
+    resumed = [next(t for t in times if t > (asked + answered) / 2) for asked, answered, _ in windows]
+    during = [d for t, d in steps if any(start <= t < written for start, (_, _, written) in zip(resumed, windows))]
     result = {
         "model": args.model, "parent_tokens": parent_tokens, "kept_fraction": args.keep_fraction,
         "context_file_bytes": max(files), "repeats": args.repeats,

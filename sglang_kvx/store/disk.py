@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 SCAN_POLL_S = 0.1  # the worker looks at the directory's mtime this often when it has nothing else to do
 READ_RESULT_TTL_S = 60.0  # a read nobody collected (its child went away) is dropped after this
 READ_TIMEOUT_S = 30.0  # a read not done by then (a hung file system) gives its child up to a full prefill
+WORKER_NICENESS = 10  # the worker's scheduling priority below the serving threads' (hashing 64 MiB takes a core for ~40 ms)
 _PENDING = object()
 
 
@@ -193,6 +194,10 @@ class DiskTier:
     # --- the worker ------------------------------------------------------------------------------
 
     def _work(self) -> None:
+        try:  # this thread only (Linux: a thread is a task of its own): the scheduler's thread wins a contended core
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+        except (AttributeError, OSError):  # another platform, or not permitted: the same priority as serving
+            pass
         while True:
             try:
                 job = self._jobs.get(timeout=SCAN_POLL_S)
