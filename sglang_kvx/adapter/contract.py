@@ -151,10 +151,12 @@ ATTRIBUTES: dict[str, list[str]] = {
     "sglang.srt.managers.schedule_batch.Req": [
         "origin_input_ids", "output_ids", "sampling_params", "rid", "kv", "prefix_len", "num_matched_prefix_tokens",
         "skip_radix_cache_insert", "finished_output", "finished_reason", "to_finish", "set_finish_with_abort",
-        "finished", "owned_kv_len",
+        "finished", "owned_kv_len", "full_untruncated_fill_ids",
     ],
-    "sglang.srt.managers.schedule_policy.PrefillAdder": ["tree_cache"],
-    "sglang.srt.managers.schedule_batch.ScheduleBatch": ["reqs"],
+    "sglang.srt.managers.schedule_policy.PrefillAdder": [
+        "tree_cache", "can_run_list", "rem_total_tokens", "cur_rem_tokens", "per_req_token_overhead",
+    ],
+    "sglang.srt.managers.schedule_batch.ScheduleBatch": ["reqs", "extend_num_tokens", "token_to_kv_pool_allocator"],
     "sglang.srt.managers.scheduler.Scheduler": [
         "token_to_kv_pool_allocator", "req_to_token_pool", "tree_cache", "tp_worker", "tp_size", "page_size", "server_args",
         "model_config", "max_total_num_tokens", "handle_generate_request", "metrics_collector",

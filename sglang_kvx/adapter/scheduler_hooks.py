@@ -268,11 +268,21 @@ def around_add_one_req(original, adder, req, *args, **kwargs):
 
 
 def may_ask_again(adder, req) -> bool:
-    """Whether ``add_one_req`` may be called again for a request it turned away with NO_TOKEN: its
-    checks change nothing before they pass, except on the path for ``ignore_eos`` requests without a
-    radix cache, which records the request's growth first (a second call would count it twice)."""
-    taken = adder.can_run_list and adder.can_run_list[-1] is req
-    return not taken and not (req.sampling_params.ignore_eos and getattr(adder.tree_cache, "disable", True))
+    """Whether an idle context should go and ``add_one_req`` be called again for a request it turned
+    away with NO_TOKEN: only where the round's token budget is what it lacks (NO_TOKEN also means no
+    free recurrent-state slot on a hybrid model, which evicting contexts would not give: every idle
+    context would go for nothing), and not on the path for ``ignore_eos`` requests without a radix
+    cache, which records the request's growth before its checks (a second call would count it
+    twice); its other checks change nothing before they pass."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    if adder.can_run_list and adder.can_run_list[-1] is req:
+        return False
+    if req.sampling_params.ignore_eos and getattr(adder.tree_cache, "disable", True):
+        return False
+    growth = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    need = len(req.full_untruncated_fill_ids) - req.prefix_len + growth + adder.per_req_token_overhead
+    return need >= min(adder.rem_total_tokens, adder.cur_rem_tokens)  # SGLang admits a total below it
 
 
 def after_release_aborted_request(result, scheduler, req, *_args, **_kwargs):
