@@ -63,7 +63,7 @@ class StoreEviction:
             return None
         reserved = self._reserved(keep)
         while room < tokens:
-            if not self._evict_lru(keep, tenant, reserved, "to make room"):
+            if not self._evict_lru(self._takeable(keep, tenant, reserved), reserved, "to make room"):
                 self.refused += 1  # what is left is reserved or in use
                 return self._never_fits(tokens, room, keep, reserved, tenant)
             room = self.pool.room()
@@ -73,15 +73,21 @@ class StoreEviction:
         estimates: it pins the request's matched prefix, reserves the running requests' growth and
         what this round admitted): one more idle context goes, as ``make_room`` chooses it. Whether
         one went (the caller asks SGLang again)."""
-        if not self._evict_lru(keep, tenant, self._reserved(keep), "for a request SGLang's budget could not hold"):
+        reserved = self._reserved(keep)
+        if not self._evict_lru(self._takeable(keep, tenant, reserved), reserved, "for a request SGLang's budget could not hold"):
             return False
         self.evicted_for_budget += 1
         return True
 
-    def _evict_lru(self, keep: CompactedContext | None, tenant: str | None, reserved: set[int], why: str) -> bool:
-        idle = [c for c in self.store.contexts.values()
-                if c.active_children == 0 and c is not keep
-                and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))]
+    @staticmethod
+    def _takeable(keep: CompactedContext | None, tenant: str | None, reserved: set[int]) -> Callable[[CompactedContext], bool]:
+        """What a request may evict: never the context it reads; what no tenant reserves, and its own tenant's."""
+        return lambda c: c is not keep and (id(c) not in reserved or (tenant is not None and c.tenant == tenant))
+
+    def _evict_lru(self, may_take: Callable[[CompactedContext], bool], reserved: set[int], why: str) -> bool:
+        """The least recently used idle context ``may_take`` allows, the reserved ones last, out of the
+        pool; whether there was one."""
+        idle = [c for c in self.store.contexts.values() if c.active_children == 0 and may_take(c)]
         if not idle:
             return False
         victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
@@ -118,23 +124,16 @@ class StoreEviction:
                 f"ask for fewer max_new_tokens or send a shorter prompt")
 
     def free_idle(self, tokens: int, reserved_too: bool = False) -> bool:
-        """A decode step of the running requests needs ``tokens`` slots the pool lacks: give up idle
-        contexts no tenant's reserve keeps, least recently used first, before SGLang retracts a
-        request (it cannot take the store's slots; on plain SGLang that room would be free).
-        ``reserved_too``: then the reserved ones, least recently used first (where the alternative is
-        an allocation that fails). Whether anything was freed."""
+        """The pool lacks ``tokens`` slots for what SGLang is about to allocate outside admission: give up
+        idle contexts no tenant's reserve keeps, least recently used first -- a decode step of the
+        running requests, before SGLang retracts one (it cannot take the store's slots; on plain SGLang
+        that room would be free). ``reserved_too`` (a prefill batch's allocation, which would fail):
+        then the reserved ones. Whether anything was freed."""
         reserved = self._reserved(None)
+        why = "for a prefill batch's allocation" if reserved_too else "for running requests' decode"
         freed = False
-        while self.pool.room() < tokens:
-            idle = [c for c in self.store.contexts.values()
-                    if c.active_children == 0 and (reserved_too or id(c) not in reserved)]
-            if not idle:
-                break
-            victim = min(idle, key=lambda c: (id(c) in reserved, c.last_used))
-            self.evict(victim)
+        while self.pool.room() < tokens and self._evict_lru(lambda c: reserved_too or id(c) not in reserved, reserved, why):
             freed = True
-            logger.info("sglang_kvx: evicted a compacted %d-token context (%d slots) for %s", victim.n, victim.num_slots,
-                        "a prefill batch's allocation" if reserved_too else "running requests' decode")
         return freed
 
     def kept_from(self, tenant: str | None) -> int:

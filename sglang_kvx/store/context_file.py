@@ -190,10 +190,9 @@ def tensors_of(data: bytearray, name: str) -> dict[str, torch.Tensor]:
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
         header.pop("__metadata__", None)
-        names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
         start, spans, out = 8 + length, [], {}
         for key, meta in header.items():
-            dtype = names[meta["dtype"]]
+            dtype = DTYPE_OF_NAME[meta["dtype"]]
             shape, (low, high) = meta["shape"], meta["data_offsets"]
             if not isinstance(shape, list) or any(type(d) is not int for d in [*shape, low, high]):
                 raise ValueError(f"{key}: shape and offsets must be lists of integers")
@@ -220,6 +219,7 @@ def write_atomic(directory: Path, name: str, data: bytes) -> None:
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPE_OF_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 WRITE_CHUNK = 4 << 20  # bytes per os.write / hash update: each releases the GIL
 
 
