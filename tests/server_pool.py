@@ -16,6 +16,8 @@ most of the suite, so that tests share servers instead of each starting their ow
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -114,6 +116,19 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
     raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
 
 
+def model_registry_env(model_path: str) -> dict[str, str]:
+    """``SGLANG_DISABLED_MODEL_ARCHS`` for one model: SGLang's scheduler imports every module of its model
+    registry (~250 of them: 2.4 s of each server start alone, more beside the other worker); a suite
+    server needs only the modules that name its model's architectures (the extension's own gated
+    models are registered apart, by the plugin). SGLang's own switch, set for the suite's servers only."""
+    config = Path(model_path) / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    models = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt" / "models"  # not imported
+    unused = [module.stem for module in sorted(models.glob("*.py")) if module.stem != "__init__"
+              and not any(arch in module.read_text(errors="replace") for arch in architectures)]
+    return {"SGLANG_DISABLED_MODEL_ARCHS": ",".join(unused)} if architectures else {}
+
+
 def whole_pool_problem(stats: dict) -> str | None:
     """Why an idle, flushed server's pool is not back at its start state (None when it is)."""
     ranks = stats["ranks"] if "ranks" in stats else [stats]
@@ -174,8 +189,9 @@ class ServerPool:
     def _start(self, server_spec: ServerSpec) -> ServerProcess:
         """Start one server (``ServerProcess.start`` picks another port when another process took
         the free one first: pytest-xdist workers pick ports at the same time)."""
+        env = {**model_registry_env(server_spec.model_path), **dict(server_spec.env)}
         server = ServerProcess(server_spec.model_path, *server_spec.args,
-                               max_total_tokens=server_spec.max_total_tokens, env=dict(server_spec.env),
+                               max_total_tokens=server_spec.max_total_tokens, env=env,
                                log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")
         self.starting = True
         try:
@@ -234,8 +250,6 @@ class ServerPool:
         server.wait_for_exit()  # its memory is back before the next server sizes its pool
 
     def close(self) -> None:
-        for server in self.live.values():
-            server.terminate()  # all at once: they shut down side by side
         for server_spec in list(self.live):
             self._drop(server_spec)
         for directory in (TIERED_DIR, SOAK_DIR):  # the shared servers' context directories, this process's own

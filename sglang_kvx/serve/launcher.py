@@ -189,25 +189,17 @@ class ServerProcess(ServerClient):
         except OSError:
             return False
 
-    def terminate(self) -> None:
-        """Ask the server's processes to exit (SIGTERM) without waiting: stopping several servers, send
-        each this first, then ``stop()`` each (which waits), so they shut down side by side."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
     def stop(self) -> None:
+        """Stop the server's processes at once (SIGKILL to its process group). Not a graceful shutdown,
+        and neither was SIGTERM to the group: SGLang's scheduler has no handler for it and died at once,
+        after which the launcher slept 5 s "before crash diagnostics". Contexts on disk survive this
+        as they survive kill -9 (written whole, then renamed)."""
         if self.proc is not None and self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
             except ProcessLookupError:
                 pass
+            self.proc.wait(timeout=30)
         if getattr(self, "_log", None) is not None and not self._log.closed:
             self._log.close()
 
