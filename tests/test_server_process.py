@@ -8,6 +8,7 @@ uvicorn logged "address already in use" and then waited on its scheduler forever
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 import requests
@@ -15,9 +16,39 @@ import requests
 from sglang_kvx.serve import launcher
 
 
+# A stand-in for SGLang's HTTP side, for the suite: what ServerProcess sees of a start (uvicorn binds
+# late, logs this line when the port is taken and then waits on its scheduler forever; a bound server
+# answers /health_generate). The real SGLang server runs the same test in the long tier.
+UVICORN_STAND_IN = """
+import http.server, socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), type("Health", (http.server.BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: (self.send_response(200), self.end_headers()),
+        "log_message": lambda self, *args: None}))
+except OSError as exc:
+    print(f"ERROR:    [Errno {exc.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+          "address already in use", flush=True)
+    time.sleep(3600)
+server.serve_forever()
+"""
+
+
+def test_a_port_taken_before_the_bind_is_picked_again_stand_in(monkeypatch, tmp_path):
+    """The suite's version: the same start logic against a stand-in that fails to bind as uvicorn does."""
+    monkeypatch.setattr(launcher.ServerProcess, "command",
+                        lambda self: [sys.executable, "-c", UVICORN_STAND_IN, "--port", str(self.port)])
+    _start_on_a_taken_port("unused", monkeypatch, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.fresh_process
+@pytest.mark.long  # a whole SGLang start that fails at its bind, then one that succeeds: the stand-in above in the suite
 def test_a_port_taken_before_the_bind_is_picked_again(demo_paths, monkeypatch, tmp_path):
+    _start_on_a_taken_port(demo_paths["tiny-llama"], monkeypatch, tmp_path)
+
+
+def _start_on_a_taken_port(model_path: str, monkeypatch, tmp_path) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         squatter.bind(("127.0.0.1", 0))
@@ -26,7 +57,7 @@ def test_a_port_taken_before_the_bind_is_picked_again(demo_paths, monkeypatch, t
         picks = iter([taken])
         real_free_port = launcher.free_port
         monkeypatch.setattr(launcher, "free_port", lambda: next(picks, None) or real_free_port())
-        server = launcher.ServerProcess(demo_paths["tiny-llama"], max_total_tokens=1024,
+        server = launcher.ServerProcess(model_path, max_total_tokens=1024,
                                         log_path=tmp_path / "server.log", startup_timeout=240)
         assert server.port == taken
         with server:

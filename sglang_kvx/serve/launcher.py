@@ -168,15 +168,18 @@ class ServerProcess(ServerClient):
                     self.stop()
                     raise PortTaken(f"port {self.port} taken by another process")
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            # uvicorn that failed to bind does not exit: it waits on the scheduler forever. Looked for
+            # before asking, and the question times out soon: the port's taker may accept a request and
+            # never answer it.
+            if self._port_taken():
+                self.stop()
+                raise PortTaken(f"port {self.port} taken by another process")
             try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
                     self.startup_seconds = time.perf_counter() - t0
                     return self
             except requests.RequestException:
-                # uvicorn that failed to bind does not exit: it waits on the scheduler forever.
-                if self._port_taken():
-                    self.stop()
-                    raise PortTaken(f"port {self.port} taken by another process")
+                pass  # not up yet
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"SGLang server not ready after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
