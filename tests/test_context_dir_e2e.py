@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -58,8 +59,8 @@ def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_con
     first, second = worker(demo_paths["tiny-llama"], directory), worker(demo_paths["tiny-llama"], directory)
     restarted = None
     try:
-        first.start()
-        second.start()
+        with ThreadPoolExecutor(2) as starting:  # side by side: each start waits on imports and loading
+            list(starting.map(ServerProcess.start, (first, second)))
         with RouterProcess([first.url, second.url], "round_robin") as router:
             sessions = [ref.encode(text(250, seed=8800 + s)) for s in range(4)]
             questions = [ref.encode(f" Question {q}: which word comes next? Answer:") for q in range(2)]

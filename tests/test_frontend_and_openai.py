@@ -99,8 +99,8 @@ def wait_for_contexts(server, count: int = 1, timeout: float = 60.0) -> list[dic
 
 def test_raw_clients_repeating_a_document_get_it_compacted_unasked(auto_server, references):
     """Plain requests (no marking at all) that repeat a long beginning: the server compacts their
-    common beginning as a parent of its own; a later question about it is a child, answered as the
-    HF oracle answers from the same keep-set."""
+    common beginning as a parent of its own; the request that showed the repeat waits for it and is
+    its child, and so is a later question, each answered as the HF oracle answers from the same keep-set."""
     server, ref = auto_server, references["tiny-hybrid-deep"]
     server.flush()
     queued = server.stats()["auto_contexts_queued"]
@@ -111,18 +111,21 @@ def test_raw_clients_repeating_a_document_get_it_compacted_unasked(auto_server, 
         assert response.status_code == 200, response.text
         return response.json()
 
-    first, second = ask(prompts[0]), ask(prompts[1])  # the second repeats the first's beginning
-    for plain in (first, second):
-        assert "kvx" not in plain["meta_info"] or not plain["meta_info"]["kvx"]  # plain, served as usual
+    waited = server.stats()["children_waited_for_repeated_beginnings"]
+    first = ask(prompts[0])
+    assert "kvx" not in first["meta_info"] or not first["meta_info"]["kvx"]  # plain, served as usual
+    second = ask(prompts[1])  # repeats the first's beginning: waits for it, not prefilling it beside the parent
     shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
     [entry] = wait_for_contexts(server)
     assert entry["context_tokens"] == shared and entry["policy"] == "keydiff"
-    assert server.stats()["auto_contexts_queued"] - queued == 1
+    stats = server.stats()
+    assert stats["auto_contexts_queued"] - queued == 1 and stats["children_waited_for_repeated_beginnings"] == waited + 1
     third = ask(prompts[2])
-    assert third["meta_info"]["kvx"][-1]["child"] is True
     keep = [torch.tensor(layer) for layer in requests.get(server.url + "/kvx/keep_sets", timeout=30).json()[0]["positions"]]
-    expected, _ = ref.compacted_generate(prompts[2][:shared], keep, prompts[2][shared:], 6)
-    assert third["output_ids"] == expected
+    for prompt, body in ((prompts[1], second), (prompts[2], third)):
+        assert body["meta_info"]["kvx"][-1]["child"] is True, body["meta_info"]
+        expected, _ = ref.compacted_generate(prompt[:shared], keep, prompt[shared:], 6)
+        assert body["output_ids"] == expected
 
 
 def test_the_frontends_threaded_fork_gets_its_document_compacted(auto_server):

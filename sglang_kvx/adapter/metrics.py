@@ -22,6 +22,8 @@ COUNTERS = {
     "contexts_evicted": ("sglang:kvx_contexts_evicted_total", "Compacted contexts evicted to make room."),
     "children_waited_for_second_passes": ("sglang:kvx_children_waited_for_second_passes_total",
                                           "Children queued until their context's second passes ended."),
+    "children_waited_for_repeated_beginnings": ("sglang:kvx_children_waited_for_repeated_beginnings_total",
+                                                "Plain requests queued until the beginning they repeat was compacted."),
     "bytes_freed": ("sglang:kvx_bytes_freed_total", "KV bytes compaction gave back to the pool (all attention layers)."),
     "host_contexts_stored": ("sglang:kvx_host_contexts_stored_total", "Compacted contexts the pool evicted into host memory."),
     "host_contexts_dropped": ("sglang:kvx_host_contexts_dropped_total", "Contexts host memory let go for room (or could not hold)."),

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Callable
 
 from sglang_kvx.policies import get_policy
 from sglang_kvx.ports import KVPool, Request, RoundBudget
 from sglang_kvx.serve.child_rows import ChildRows
 from sglang_kvx.serve.eviction import StoreEviction
-from sglang_kvx.serve.plans import (CHILD, PARENT_PLAN, PLAIN, PLAIN_PLAN, REFUSE, REFUSED, RESTORE, WAIT_PASSES,
-                                    WAIT_READ, Plan, refuse, wait)
+from sglang_kvx.serve.plans import (CHILD, PARENT_PLAN, PLAIN, PLAIN_PLAN, REFUSE, REFUSED, RESTORE, WAIT_READ,
+                                    WAIT_REPEAT, Plan, refuse, wait)
 from sglang_kvx.serve.restore_step import RestoreStep
 from sglang_kvx.serve.request_state import RequestState, settings_of, state_of
 from sglang_kvx.settings import CompactionSettings, ServerDefaults
@@ -49,11 +50,17 @@ class Admission:
     def __init__(self, pool: KVPool, store: ContextStore, defaults: ServerDefaults, num_rows: int,
                  parent_check: Callable[[CompactionSettings, int], str | None] = lambda settings, n: None,
                  held_slots: Callable[[], int] | None = None,
-                 passes_pending: Callable[[list[int], CompactionSettings | None], bool] = lambda ids, settings: False) -> None:
+                 being_made: Callable[[list[int], CompactionSettings | None], str | None] = lambda ids, settings: None,
+                 repeats: Callable[[Request, RequestState], bool] = lambda request, state: False) -> None:
         self.pool = pool
-        # (prompt, settings) -> a context the prompt extends is still being scored (KVzip); settings None: any context
-        self.passes_pending = passes_pending
-        self.children_waited = 0  # children that waited for their context's second passes
+        # (prompt, settings) -> why a context the prompt extends is not stored yet though it is being made
+        # (WAIT_PASSES: scored by KVzip's second passes; WAIT_REPEAT: a beginning plain requests repeat, queued
+        # by the server), or None; settings None: any context
+        self.being_made = being_made
+        # (a plain request with no context, its state, settings) -> it now waits for the beginning it
+        # repeats, queued as the server's own parent (--kvx-auto-context-min-tokens)
+        self.repeats = repeats
+        self.children_waited: Counter[str] = Counter()  # children that waited for their context to be made, by reason
         self.eviction = StoreEviction(pool, store, defaults, held_slots or store.slots_held)
         self.tiering = self.eviction.tiering
         self.parent_check = parent_check  # further reasons to refuse a parent (KVzip's pass length)
@@ -125,6 +132,8 @@ class Admission:
         found = self._find(request, state) if names_a_policy and not state.fields.wants_full_cache else None
         if found is not None and found.kind in (CHILD, RESTORE):
             found = self._child_checks(request, state, found) or found
+        if found is None and self.repeats(request, state):
+            return self._waited(state, WAIT_REPEAT)  # read as a child of it: its beginning is not prefilled twice
         if found is None or found.kind == PLAIN:
             never = self.eviction.make_room(self._wanted(request), tenant=state.fields.tenant)
             return refuse(never) if never is not None else PLAIN_PLAN
@@ -140,7 +149,7 @@ class Admission:
                 and self.store.get(previous.held.entry.context_ids, previous.held.settings) is None):
             return Plan(RESTORE, held=previous.held)  # its file's read (done, or not yet) decides
         stored = len(self.store) or (not state.skip_tiers and self.tiering.holds_any())
-        if not (stored or self.passes_pending(request.input_ids, None)):
+        if not (stored or self.being_made(request.input_ids, None)):
             return None
         settings = self.settings_of(request, state)
         if settings is None:
@@ -152,14 +161,17 @@ class Admission:
                 return Plan(RESTORE, held=held)
         if context is not None:
             return Plan(CHILD, context)
-        if self.passes_pending(request.input_ids, settings):
-            # Its context is being scored by second passes: served when they end, as the same child
-            # sent a moment later would be (not from the full cache, which would depend on timing).
-            if state.waited_since is None:
-                state.waited_since = time.monotonic()
-                self.children_waited += 1
-            return wait(WAIT_PASSES)
+        if reason := self.being_made(request.input_ids, settings):
+            # Its context is being made: served when it is stored, as the same child sent a moment
+            # later would be (not from the full cache, which would depend on timing).
+            return self._waited(state, reason)
         return None
+
+    def _waited(self, state: RequestState, reason: str) -> Plan:
+        if state.waited_since is None:
+            state.waited_since = time.monotonic()
+            self.children_waited[reason] += 1
+        return wait(reason)
 
     def _child_checks(self, request: Request, state: RequestState, found: Plan) -> Plan | None:
         """What a child of ``found``'s context cannot be: None (it can), PLAIN (served with the full

@@ -28,6 +28,7 @@ PLAIN, PARENT, CHILD, RESTORE, WAIT, REFUSE = "plain", "parent", "child", "resto
 WAIT_PASSES = "second passes"  # its context is still being scored (KVzip's reconstruction pass)
 WAIT_ROOM = "room"  # running requests hold the room its restore needs
 WAIT_READ = "read"  # its context's file is being read and checked off the scheduler thread
+WAIT_REPEAT = "repeated beginning"  # its beginning, which plain requests repeat, is being compacted by the server
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_kvx.ops.block_layout import BLOCK
+from sglang_kvx.serve.plans import WAIT_PASSES, WAIT_REPEAT
 
 
 def runtime_counts(runtime) -> dict[str, Any]:
@@ -27,7 +28,8 @@ def runtime_counts(runtime) -> dict[str, Any]:
         "evictions_for_round_budget": runtime.admission.eviction.evicted_for_budget,
         "evictions_refused_reserved": runtime.admission.eviction.refused,
         "second_passes_pending": len(runtime.second_pass.jobs),
-        "children_waited_for_second_passes": runtime.admission.children_waited,
+        "children_waited_for_second_passes": runtime.admission.children_waited[WAIT_PASSES],
+        "children_waited_for_repeated_beginnings": runtime.admission.children_waited[WAIT_REPEAT],
         "decode_rows": len(runtime.decode.rows),
         "decode_slots_freed": runtime.decode.freed_slots,
         "decode_reruns": runtime.decode.rerun_count,  # rows re-run

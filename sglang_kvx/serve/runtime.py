@@ -27,13 +27,13 @@ from sglang_kvx.policies import KVPolicy, get_policy
 from sglang_kvx.allocate import allocation_needs
 from sglang_kvx.ports import KVPool, Request, RoundBudget, TensorParallel
 from sglang_kvx.serve.admission import Admission
-from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE
+from sglang_kvx.serve.plans import CHILD as PLAN_CHILD, REFUSE, RESTORE, WAIT_PASSES, WAIT_REPEAT
 from sglang_kvx.serve.report import runtime_counts, runtime_stats
 from sglang_kvx.serve.decoding import DecodeRunner, step_resources
 from sglang_kvx.serve.parent_compaction import ParentCompaction
 from sglang_kvx.serve.shared_prefixes import AutoContexts
 from sglang_kvx.serve.sparse_index import SparseIndex
-from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults
+from sglang_kvx.settings import NO_FIELDS, CompactionSettings, ServerDefaults, resolve_settings
 from sglang_kvx.signals import CaptureSpec, capture_for
 from sglang_kvx.signals.recorder import SignalRecorder
 from sglang_kvx.store import ContextStore
@@ -61,7 +61,7 @@ class Runtime:
         self.admission = Admission(pool, self.store, defaults, num_rows,
                                    parent_check=functools.partial(parent_problem, self),
                                    held_slots=self.held_slots,
-                                   passes_pending=lambda ids, settings: self.second_pass.pending_for(ids, settings))
+                                   being_made=self._being_made, repeats=lambda request, state: self.auto.waits(request, state))
         self.recorder = SignalRecorder(pool, num_q_heads, rope_inv_freq, gdn_layer_ids, attention_layer_ids)
         self.compactor = Compactor(pool, self.policy, num_q_heads, attention_layer_ids, gdn_layer_ids,
                                    defaults.per_layer_lengths, defaults.page_size)
@@ -73,7 +73,9 @@ class Runtime:
         self.submit = submit
         self.tp = tp  # --tp-size > 1: per-head signals are gathered from every rank before scoring
         self.num_kv_heads_total = num_kv_heads_total or pool.num_kv_heads
-        self.auto = AutoContexts(config.auto_context_min_tokens, submit)  # beginnings plain requests repeat
+        # beginnings plain requests repeat, compacted under the server's settings in the request's namespace
+        self.auto = AutoContexts(config.auto_context_min_tokens, submit,
+                                 functools.partial(resolve_settings, NO_FIELDS, defaults), get_policy(defaults.policy).compacts)
         self.second_pass = SecondPassRunner(pool, self.compactor, self.store, self.recorder, submit, tokenizer,
                                      context_len, self._failed)
         self.parents = ParentCompaction(pool, self.store, self.compactor, self.recorder, self.second_pass,
@@ -139,6 +141,12 @@ class Runtime:
         # The server's fault, not the request's: a 500, which clients and SGLang's router may retry.
         request.abort(f"sglang_kvx: internal error while {doing} this request (see /kvx/stats)", 500)
 
+    def _being_made(self, prompt_ids: list[int], settings: CompactionSettings | None) -> str | None:
+        """Why a context ``prompt_ids`` extends is not stored yet though it is being made (``Admission``)."""
+        if self.second_pass.pending_for(prompt_ids, settings):
+            return WAIT_PASSES
+        return WAIT_REPEAT if self.auto.pending_for(prompt_ids, settings) else None
+
     def _plan_round(self, request: Request) -> str | None:
         if self.auto.is_own(request.rid) and request.state is None:
             request.hide_from_client()  # a parent the server queued itself: no client waits for it
@@ -154,10 +162,6 @@ class Runtime:
             return WAIT
         if plan.kind == REFUSE:
             return None
-        if state is not None and not state.prefix_checked and not state.parent and not state.internal:
-            state.prefix_checked = True
-            if state.fields == NO_FIELDS and not request.has_output and get_policy(self.defaults.policy).compacts:
-                self.auto.observe(request)
         if (state is not None and state.parent and state.settings is not None and not request.holds_kv
                 and not request.finished and not self.capture_spec(state.settings).empty):
             return WHOLE

@@ -6,19 +6,25 @@ and raw HTTP clients that repeat a document with each question mark nothing. ``S
 watches plain requests (no ``custom_params.kvx``, not a parent, not a child): when one shares at
 least ``min_tokens`` leading tokens with the most recent earlier prompt that does, their common
 beginning is a context to compact (``--kvx-auto-context-min-tokens``). The runtime queues it as an
-internal prefill-only parent under the server's settings; requests that arrive once it is stored
-are its children, as if a client had sent it. With the flag off (0) such prefixes are only counted
-and logged, with what to do.
+internal prefill-only parent under the server's settings; the request that showed the repeat, and
+every one arriving while the parent is prefilled and compacted, waits for it in the queue and reads it
+as a child (rather than prefilling the same beginning beside the parent), as do requests arriving once
+it is stored, as if a client had sent it. With the flag off (0) such prefixes are only counted and
+logged, with what to do.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from sglang_kvx.compact.second_pass import INTERNAL_RID_PREFIX
 from sglang_kvx.ports import Request
+from sglang_kvx.settings import NO_FIELDS
+
+if TYPE_CHECKING:
+    from sglang_kvx.serve.request_state import RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +84,12 @@ class AutoContexts:
     """The parents the server queues itself for the beginnings plain requests repeat
     (``--kvx-auto-context-min-tokens``), or the log line saying what to do (flag off)."""
 
-    def __init__(self, min_tokens: int, submit: Callable[..., None]) -> None:
+    def __init__(self, min_tokens: int, submit: Callable[..., None], settings_in: Callable[[Any], Any],
+                 compacts: bool) -> None:
+        self.compacts = compacts  # the server's own policy compacts (auto-contexts take its settings)
         self.shared = SharedPrefixes(min_tokens)
         self.submit = submit  # (rid, token ids, compact) -> a prefill-only request into the scheduler's queue
+        self.settings_in = settings_in  # namespace -> the settings its parents are compacted with (the server's)
         self.queued = 0  # parents queued for shared beginnings
 
     @staticmethod
@@ -88,22 +97,44 @@ class AutoContexts:
         """Whether a request is a parent this server queued itself (no client waits for it)."""
         return rid.startswith(AUTO_RID_PREFIX)
 
-    def observe(self, request: Request) -> None:
-        """A plain, unmarked request arrives: queue the long beginning it repeats as a parent."""
+    def waits(self, request: Request, state: RequestState) -> bool:
+        """A request with no context, its ``RequestState``: seen for the first time, plain and unmarked
+        (no ``custom_params.kvx``, not a parent) on a compacting server, whether it now waits for a long
+        beginning it repeats, queued as the server's own parent (``observe``)."""
+        if state.prefix_checked or state.parent or state.internal:
+            return False
+        state.prefix_checked = True
+        return state.fields == NO_FIELDS and self.compacts and self.observe(request)
+
+    def observe(self, request: Request) -> bool:
+        """A plain, unmarked request arrives: queue the long beginning it repeats as a parent; whether a
+        parent of ours (this one or one queued before) now makes a context the request extends."""
         prefix = self.shared.observe(request.input_ids, namespace=request.namespace)
         if prefix is None:
-            return
+            return self._pending(request.input_ids, lambda namespace: namespace == request.namespace)
         shared = self.shared
         if shared.min_tokens == 0:
             if shared.seen == 1 or shared.seen % 100 == 0:
                 logger.warning("sglang_kvx: %d plain requests repeated a beginning of %d+ tokens that no client marked "
                                "as a context (e.g. a %d-token one); send it once with max_new_tokens 0, or serve with "
                                "--kvx-auto-context-min-tokens", shared.seen, shared.threshold, len(prefix))
-            return
+            return False
         shared.pending.add((request.namespace, prefix))
         self.queued += 1
         self.submit(f"{AUTO_RID_PREFIX}{self.queued}", list(prefix), True, request.namespace)
         logger.info("sglang_kvx: compacting a %d-token beginning that plain requests repeat", len(prefix))
+        return True
+
+    def pending_for(self, prompt_ids: Sequence[int], settings: Any) -> bool:
+        """Whether a parent of ours not yet released makes a context ``prompt_ids`` strictly extends with
+        ``settings`` (None: with any)."""
+        return self._pending(prompt_ids, lambda namespace: settings is None or (
+            settings.namespace == namespace and settings == self.settings_in(namespace)))
+
+    def _pending(self, prompt_ids: Sequence[int], namespace_fits: Callable[[Any], bool]) -> bool:
+        return any(len(prefix) < len(prompt_ids) and namespace_fits(namespace)
+                   and tuple(int(t) for t in prompt_ids[:len(prefix)]) == prefix
+                   for namespace, prefix in self.shared.pending)
 
     def released(self, request: Request) -> None:
         """A parent of ours finished: its beginning may be queued again once it is gone from the store."""
