@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite: real SGLang servers on loopback, shared across the suite.
-#   bash scripts/test.sh           the whole suite, what CI runs first (25:14 on 2 cores, 2026-12-07: over
+#   bash scripts/test.sh           the whole suite, what CI runs first (18:52 on 2 cores, 2026-12-07: over
 #                                  the 15 min the project allows; issue #53 item 8 is open)
 #   bash scripts/test.sh --quick   unit tests and the shared dense server only: the inner loop (about 2.5 min)
 #   bash scripts/test.sh --long    the long-scale runs (marked `long`), which CI runs after the suite
