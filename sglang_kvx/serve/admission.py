@@ -57,7 +57,7 @@ class Admission:
         # (WAIT_PASSES: scored by KVzip's second passes; WAIT_REPEAT: a beginning plain requests repeat, queued
         # by the server), or None; settings None: any context
         self.being_made = being_made
-        # (a plain request with no context, its state, settings) -> it now waits for the beginning it
+        # (a plain request with no context, its state) -> it now waits for the beginning it
         # repeats, queued as the server's own parent (--kvx-auto-context-min-tokens)
         self.repeats = repeats
         self.children_waited: Counter[str] = Counter()  # children that waited for their context to be made, by reason

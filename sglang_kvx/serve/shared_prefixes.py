@@ -15,6 +15,7 @@ logged, with what to do.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -89,7 +90,9 @@ class AutoContexts:
         self.compacts = compacts  # the server's own policy compacts (auto-contexts take its settings)
         self.shared = SharedPrefixes(min_tokens)
         self.submit = submit  # (rid, token ids, compact) -> a prefill-only request into the scheduler's queue
-        self.settings_in = settings_in  # namespace -> the settings its parents are compacted with (the server's)
+        # namespace -> the settings its parents are compacted with (the server's); asked each round a request
+        # waits, so resolved once per recent namespace (clients choose salts: bounded)
+        self._settings_of = functools.lru_cache(maxsize=256)(settings_in)
         self.queued = 0  # parents queued for shared beginnings
 
     @staticmethod
@@ -129,7 +132,7 @@ class AutoContexts:
         """Whether a parent of ours not yet released makes a context ``prompt_ids`` strictly extends with
         ``settings`` (None: with any)."""
         return self._pending(prompt_ids, lambda namespace: settings is None or (
-            settings.namespace == namespace and settings == self.settings_in(namespace)))
+            settings.namespace == namespace and settings == self._settings_of(namespace)))
 
     def _pending(self, prompt_ids: Sequence[int], namespace_fits: Callable[[Any], bool]) -> bool:
         return any(len(prefix) < len(prompt_ids) and namespace_fits(namespace)
