@@ -304,7 +304,9 @@ SETTINGS: tuple[Setting, ...] = (
             "--model-path, in <model>/kvzap or weights/kvzap/).", PATH, ""),
     Setting("kvzap_threshold", "KVzap's threshold tau on each entry's predicted log KVzip+ score: entries under it are "
             "dropped (default: the surrogate manifest's).", Number(-1e6, 1e6, empty=True), ""),
-    Setting("kvzap_window", "KVzap's window: the last N tokens of a context are always kept.", COUNT, "128"),
+    Setting("kvzap_window", "KVzap's window: the last N tokens of a context are always kept (default: 128 under its "
+            "threshold rule, none under a budget such as \"allocation\": \"global\", where a window is counted in the "
+            "budget).", Number(0, MAX_TOKENS, whole=True, empty=True), ""),
     Setting("sparse_attention", "Block-sparse attention for every request: each query attends to this many tokens "
             "(a multiple of 4, at least 8), in four-token blocks -- the first, its own and the best others by a "
             "mean-key indexer; 0 = dense attention.", SparseBudget(0, MAX_TOKENS, whole=True), "0", attr="sparse_budget"),

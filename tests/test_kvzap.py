@@ -118,6 +118,31 @@ def test_budget_mode_is_one_threshold_over_every_layer_and_head(references, cont
     assert kept_min >= dropped_max
 
 
+def test_the_window_belongs_to_the_threshold_rule_and_a_budget_has_none_unless_given(references, context):
+    """With no window given, the threshold rule keeps the paper's 128 last tokens and a budget keeps the
+    best raw surrogate scores under one threshold, the last tokens competing like the rest (a window
+    counted in a budget of 10% would take all of it); a window given is kept under a budget too."""
+    ref = references["tiny-llama"]
+    surrogate = random_surrogate(ref, "mlp", seed=6)
+    signals = context_signals(ref, context, signals=CaptureSpec(hidden_states=2))
+    raw = [surrogate.score(layer, h) for layer, h in enumerate(attention_inputs(ref, context))]
+    n = len(context)
+    assert n > 128
+    default = get_policy("kvzap")(surrogate=surrogate, threshold=1e6)  # no score reaches tau: the window only
+    keep = choose_keep_set(default, signals, 1.0)
+    for layer in range(keep.num_layers):
+        assert keep.mask(layer)[:, n - 128 :].all() and not keep.mask(layer)[:, : n - 128].any()
+    keep = choose_keep_set(default, signals, 0.1, allocation="global")
+    assert sum(map(sum, keep.kept_per_head)) == 4 * 2 * round(0.1 * n)
+    kept = torch.cat([raw[layer][keep.mask(layer)] for layer in range(keep.num_layers)])
+    dropped = torch.cat([raw[layer][~keep.mask(layer)] for layer in range(keep.num_layers)])
+    assert kept.min() >= dropped.max()
+    assert not all(keep.mask(layer)[:, n - 16 :].all() for layer in range(keep.num_layers))
+    given = get_policy("kvzap")(surrogate=surrogate, threshold=1e6, window=16)
+    keep = choose_keep_set(given, signals, 0.1, allocation="global")
+    assert all(keep.mask(layer)[:, n - 16 :].all() for layer in range(keep.num_layers))
+
+
 def test_chunk_scores_equal_whole_context_scores(references, context):
     """What the server streams chunk by chunk (``ChunkScoring.hidden``) is the whole context's score."""
     ref = references["tiny-llama"]

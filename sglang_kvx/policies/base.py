@@ -142,6 +142,12 @@ class KVPolicy:
         """Keyword options this policy passes to its allocation (PyramidKV's beta)."""
         return {}
 
+    def under(self, allocation: str) -> "KVPolicy":
+        """The policy that scores a context served under ``allocation`` (a name in
+        ``sglang_kvx.allocate``). Itself, unless its rule depends on the allocation (KVzap's window
+        belongs to its threshold rule, not to a budget)."""
+        return self
+
     def score_layers(self, signals: ContextSignals, budgets: list[int]) -> list[torch.Tensor]:
         """Every layer's scores; a policy that scores all layers in one batched op overrides this."""
         return [self.score(signals, layer, budget=budget) for layer, budget in enumerate(budgets)]

@@ -105,6 +105,7 @@ def choose_keep_set(
         raise ValueError(f"protected prefix of {protected} tokens does not fit the context ({signals.n} tokens)")
     name = allocation or policy.allocation
     options = policy.allocation_options if name == policy.allocation else {}
+    policy = policy.under(name)
     if allocation_reads_scores(name):  # scored first (with flat budgets as the layers' hint), then budgeted per head
         if page_size > 1:
             raise ValueError(f"allocation {name!r} budgets each KV head, which whole pages cannot hold yet")
