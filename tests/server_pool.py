@@ -116,6 +116,13 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
     raise ValueError(f"no shared server kind {kind!r}; one of {', '.join(SHARED_KINDS)}")
 
 
+# A pooled server's scheduler and detokenizer start from a forkserver that imported their SGLang modules
+# once (the plugin's SGLANG_KVX_CPU_FORKSERVER, adapter/plugin.py): about 14 of a start's ~44 CPU-seconds
+# on this machine, and the suite starts some 40 servers on 2 cores. Fresh-process tests start as SGLang
+# does (spawn).
+POOLED_START = {"SGLANG_KVX_CPU_FORKSERVER": "1"}
+
+
 def model_registry_env(model_path: str) -> dict[str, str]:
     """``SGLANG_DISABLED_MODEL_ARCHS`` for one model: SGLang's scheduler imports every module of its model
     registry (~250 of them: 2.4 s of each server start alone, more beside the other worker); a suite
@@ -189,7 +196,7 @@ class ServerPool:
     def _start(self, server_spec: ServerSpec) -> ServerProcess:
         """Start one server (``ServerProcess.start`` picks another port when another process took
         the free one first: pytest-xdist workers pick ports at the same time)."""
-        env = {**model_registry_env(server_spec.model_path), **dict(server_spec.env)}
+        env = {**model_registry_env(server_spec.model_path), **POOLED_START, **dict(server_spec.env)}
         server = ServerProcess(server_spec.model_path, *server_spec.args,
                                max_total_tokens=server_spec.max_total_tokens, env=env,
                                log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import random
+from pathlib import Path
 
 import pytest
 import requests
@@ -164,3 +165,40 @@ def test_kv_fields_a_plain_server_would_ignore_are_refused(served):
     response = server.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2,
                                                                          "custom_params": {"kvx": {"compact": False}}}})
     assert response.status_code == 200, response.text
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # a process that ended while we read
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_pooled_servers_scheduler_and_detokenizer_start_from_the_forkserver(served):
+    """The suite's pooled servers run SGLANG_KVX_CPU_FORKSERVER=1 (tests/server_pool.py): the scheduler and
+    the detokenizer are children of one forkserver, not of the launcher (SGLang's spawn)."""
+    name, server, _ = served
+    tree = _descendants(server.proc.pid)
+    roles = {pid: _cmdline(pid) for pid in tree}
+    forkservers = [pid for pid, line in roles.items() if "multiprocessing.forkserver" in line]
+    assert len(forkservers) == 1, (name, roles)
+    parents = {pid: int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in tree}
+    served_by = {line.split()[0] for pid, line in roles.items() if parents.get(pid) == forkservers[0] and line}
+    assert {"sglang::scheduler", "sglang::detokenizer"} <= served_by, (name, roles, parents)

@@ -115,6 +115,15 @@ EMULATION_HOOKS: dict[str, tuple[str, str]] = {
     f"{_GRAPH_SETUP}.PrefillCudaGraphRunner": ("EmulatedPrefillGraph", HOOK_REPLACE),
 }
 
+# The launcher on the CPU platform under SGLANG_KVX_CPU_FORKSERVER=1 (plugin.py): after SGLang picks its
+# start method (spawn), its scheduler and detokenizer start from a forkserver that imported their modules.
+FORKSERVER_HOOK = "sglang.srt.entrypoints.engine._set_envs_and_config"
+FORKSERVER_PRELOAD: list[str] = [
+    "sglang.launch_server",  # what spawn's preparation data re-runs as __mp_main__ in every child
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.detokenizer_manager",
+]
+
 # Modules and names imported directly (registries, base classes, helpers).
 IMPORTED: list[str] = [
     "sglang.srt.plugins.hook_registry.HookRegistry",
@@ -178,7 +187,8 @@ ATTRIBUTES: dict[str, list[str]] = {
 
 
 def all_targets() -> list[str]:
-    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *USAGE_HOOKS, *CPU_HOOKS, *EMULATION_HOOKS, *IMPORTED]
+    return [*SCHEDULER_HOOKS, *PLUGIN_HOOKS, *DOOR_HOOKS, *USAGE_HOOKS, *CPU_HOOKS, *EMULATION_HOOKS, FORKSERVER_HOOK,
+            *FORKSERVER_PRELOAD, *IMPORTED]
 
 
 def missing_in_installed_sglang() -> list[str]:

@@ -56,6 +56,7 @@ def load() -> None:
     _register_gdn_backend()
     _register_graph_emulation()
     if multiprocessing.parent_process() is None:
+        _register_cpu_forkserver()
         _register_http_routes()
         from sglang_kvx.adapter.door import register_door
 
@@ -253,6 +254,34 @@ def _register_graph_emulation() -> None:
 
     for target, (name, kind) in EMULATION_HOOKS.items():
         HookRegistry.register(target, getattr(graph_runners, name), HookType(kind))
+
+
+CPU_FORKSERVER = "SGLANG_KVX_CPU_FORKSERVER"
+
+
+def _register_cpu_forkserver() -> None:
+    """``SGLANG_KVX_CPU_FORKSERVER=1`` on the CPU platform, in the launcher: SGLang's child processes start
+    from one forkserver that imported the scheduler's and detokenizer's modules once, instead of each
+    spawned child importing SGLang (~13 CPU-s each on this machine's cores). What a child runs is the
+    same: its target and pickled arguments, in a process whose modules were imported fresh (the
+    forkserver's, not the launcher's state). The test suite's pooled servers start this way; SGLang's
+    own spawn stays the default and what every fresh-process test starts with."""
+    if os.environ.get(CPU_FORKSERVER) != "1" or not on_cpu_platform():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_kvx.adapter.contract import FORKSERVER_HOOK
+
+    HookRegistry.register(FORKSERVER_HOOK, _after_set_envs_and_config, HookType.AFTER)
+
+
+def _after_set_envs_and_config(_result, *_args, **_kwargs) -> None:
+    """SGLang has just set the start method to spawn: the forkserver instead, its modules preloaded."""
+    from sglang_kvx.adapter.contract import FORKSERVER_PRELOAD
+
+    multiprocessing.set_start_method("forkserver", force=True)
+    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    logger.info("sglang_kvx: child processes start from a forkserver (%s=1)", CPU_FORKSERVER)
 
 
 def _around_gdn_layer_init_on_cpu(original, layer, *args, **kwargs):
