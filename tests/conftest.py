@@ -55,6 +55,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """A second dense architecture (Qwen3), built per worker: no KVzap surrogate or estimator names it."""
+    from sglang_kvx.models.demo import build_demo_model
+
+    return str(build_demo_model("tiny-qwen3", tmp_path_factory.mktemp("qwen3") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
 def demo_paths() -> dict[str, str]:
     ensure_demo_models()
     return {name: str(weights_root() / name) for name in DEMO}

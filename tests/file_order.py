@@ -37,12 +37,14 @@ SERVER_GROUPS = (
                  "test_sglang_truth_e2e.py::test_prompts_of_two_salts_never_make_one_auto_context")),
     ("tiered", ("test_sglang_truth_e2e.py::test_children_restored_from_host_memory_*", "test_host_tier_e2e.py::*")),
     ("paged", ("test_paged_kv_e2e.py::*", "test_combinations.py::*[[]paged[]]")),
+    # the dense Qwen3 server: served like HF, and refusing KVzap for want of a surrogate
+    ("qwen3", ("test_qwen3_dense.py::*", "test_kvzap_e2e.py::test_a_model_without_a_surrogate_*")),
 )
 # Files with servers of their own (or long fresh processes), longest first, after the groups;
 # unlisted files follow in their collection order.
 FILE_ORDER = (
     "test_context_dir_e2e.py", "test_parallel.py", "test_tier_soak.py", "test_server_process.py", "test_qwen3_next.py",
-    "test_decode_steps.py", "test_kvzap_e2e.py", "test_smollm2.py", "test_admission_stalls.py", "test_qwen3_dense.py",
+    "test_decode_steps.py", "test_kvzap_e2e.py", "test_smollm2.py", "test_admission_stalls.py",
 )
 
 

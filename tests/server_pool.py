@@ -117,10 +117,11 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
 
 
 # A pooled server's scheduler and detokenizer start from a forkserver that imported their SGLang modules
-# once (the plugin's SGLANG_KVX_CPU_FORKSERVER, adapter/plugin.py): about 14 of a start's ~44 CPU-seconds
-# on this machine, and the suite starts some 40 servers on 2 cores. Fresh-process tests start as SGLang
-# does (spawn).
-POOLED_START = {"SGLANG_KVX_CPU_FORKSERVER": "1"}
+# once (the plugin's SGLANG_KVX_CPU_FORKSERVER, adapter/plugin.py): a tiny-llama start then takes ~28
+# busy CPU-seconds instead of ~36-44, and the suite starts some 40 servers on 2 cores. Fresh-process tests
+# whose subject is not the start itself use it too; the launcher's own tests (test_cli, test_docs' README
+# commands) start as SGLang does (spawn).
+FORKSERVER_START = {"SGLANG_KVX_CPU_FORKSERVER": "1"}
 
 
 def model_registry_env(model_path: str) -> dict[str, str]:
@@ -196,7 +197,7 @@ class ServerPool:
     def _start(self, server_spec: ServerSpec) -> ServerProcess:
         """Start one server (``ServerProcess.start`` picks another port when another process took
         the free one first: pytest-xdist workers pick ports at the same time)."""
-        env = {**model_registry_env(server_spec.model_path), **POOLED_START, **dict(server_spec.env)}
+        env = {**model_registry_env(server_spec.model_path), **FORKSERVER_START, **dict(server_spec.env)}
         server = ServerProcess(server_spec.model_path, *server_spec.args,
                                max_total_tokens=server_spec.max_total_tokens, env=env,
                                log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")

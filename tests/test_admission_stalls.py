@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from sglang_kvx.serve.launcher import ServerProcess
+from server_pool import FORKSERVER_START
 
 POOL = 2048
 WATCHDOG = 30.0  # seconds: far above what these requests take when nothing waits (well under 1 s)
@@ -39,7 +40,7 @@ def _timed(server: ServerProcess, payload: dict) -> tuple[requests.Response, flo
 def test_requests_the_reserve_blocks_are_refused_at_once_and_block_nobody(demo_paths, tmp_path) -> None:
     with ServerProcess(demo_paths["tiny-llama"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
                        "--context-length", str(POOL), "--kvx-min-store-fraction", "0.5",
-                       max_total_tokens=POOL, log_path=tmp_path / "server.log") as server:
+                       max_total_tokens=POOL, log_path=tmp_path / "server.log", env=FORKSERVER_START) as server:
         for seed, tenant in enumerate(("a", "b")):  # two tenants' contexts, both within the reserve
             parent, _ = _timed(server, {"input_ids": _ids(900, seed), "sampling_params": {
                 "max_new_tokens": 0, "custom_params": {"kvx": {"tenant": tenant}}}})

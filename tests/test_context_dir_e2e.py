@@ -22,6 +22,7 @@ import pytest
 import requests
 
 from sglang_kvx.serve.launcher import ServerProcess
+from server_pool import FORKSERVER_START
 from test_compaction_e2e import GREEDY, disk_settled, served_keep_set, text
 from tier_load import Book, Mix, Verdict, balance_problem, crash_excerpt, run_load
 
@@ -36,7 +37,7 @@ def worker(path, directory) -> ServerProcess:
     # No store reserve: the load's long plain requests may push every context out of a worker's pool.
     return ServerProcess(path, "--kvx-policy", POLICY, "--kvx-keep-fraction", str(P), "--context-length", str(POOL),
                          "--kvx-min-store-fraction", "0", "--kvx-context-dir", str(directory),
-                         "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=POOL)
+                         "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=POOL, env=FORKSERVER_START)
 
 
 def ask(url: str, ids: list[int], max_new_tokens: int) -> dict:

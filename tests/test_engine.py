@@ -11,6 +11,7 @@ import pytest
 from sglang_kvx.config import KvxConfigError
 from sglang_kvx.engine import Engine
 from sglang_kvx.serve.launcher import server_env
+from server_pool import FORKSERVER_START
 
 
 ENGINE_SCRIPT = """
@@ -35,7 +36,7 @@ def test_engine_generates_hf_greedy_tokens_on_the_hybrid(demo_paths, references)
     ref = references["tiny-hybrid-deep"]
     prompts = [ref.encode("The special magic number for forest is 31337. Remember it."), ref.encode("red blue green " * 30)]
     proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, demo_paths["tiny-hybrid-deep"], json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=600, env=server_env())
+                          capture_output=True, text=True, timeout=600, env={**server_env(), **FORKSERVER_START})
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("OUTPUT ")]
     for prompt, output in zip(prompts, json.loads(line.removeprefix("OUTPUT "))):

@@ -134,18 +134,15 @@ def test_decode_step_is_the_oracles_rule_and_gives_slots_back(compacting_dense, 
     assert server.stats()["kvzap_slots_freed"] >= report["slots_freed"]
 
 
-def test_a_model_without_a_surrogate_refuses_kvzap_by_name(server_pool):
-    """Per request, on a server whose checkpoint has no KVzap surrogate (the dense tiny-llama-ruler: none is
-    shipped for it): a 4xx naming what is missing and the command that trains it, for the policy and
-    the decode step; the server goes on."""
-    from sglang_kvx.models.demo import weights_root
+def test_a_model_without_a_surrogate_refuses_kvzap_by_name(server_pool, tiny_qwen3):
+    """Per request, on a server whose checkpoint has no KVzap surrogate (tiny-qwen3, built for the suite:
+    none is trained for it; test_qwen3_dense's server): a 4xx naming what is missing and the command that
+    trains it, for the policy and the decode step; the server goes on."""
     from sglang_kvx.reference.hf import HFReference
-    from server_pool import spec
+    from test_qwen3_dense import qwen3_spec
 
-    path = str(weights_root() / "tiny-llama-ruler")
-    server = server_pool.get(spec(path, "--context-length", "2048", "--kvx-policy", "keydiff", "--kvx-keep-fraction",
-                                  "0.5", "--kvx-decode-steps", "on", max_total_tokens=4096))
-    context = HFReference(path).encode(text(60, seed=5740))
+    server = server_pool.get(qwen3_spec(tiny_qwen3))
+    context = HFReference(tiny_qwen3).encode(text(60, seed=5740))
     for kvx_fields, max_new in (({"policy": "kvzap", "keep_fraction": 1.0}, 0), ({"decode": {"step": "kvzap_linear"}}, 4)):
         response = server.generate({"input_ids": context, "sampling_params": {
             "max_new_tokens": max_new, "custom_params": {"kvx": kvx_fields}}})

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_kvx.models.demo import build_demo_model
 from sglang_kvx.reference.hf import HFReference
 from sglang_kvx.serve.launcher import ServerProcess
 
@@ -25,6 +24,12 @@ def assert_serves_like_hf(server: ServerProcess, ref: HFReference) -> None:
     assert max(abs(a - b) for a, b in zip(served, ref.prompt_logprobs(prompt))) <= 1e-4
 
 
-def test_tiny_qwen3_matches_hf(tmp_path, server_pool):
-    path = build_demo_model("tiny-qwen3", tmp_path / "tiny-qwen3")
-    assert_serves_like_hf(server_pool.get(spec(path, max_total_tokens=4096)), HFReference(path))
+def qwen3_spec(path: str):
+    """A dense checkpoint no KVzap surrogate is trained for, with a policy and decode steps on: plain
+    requests are served as plain SGLang serves them (this file), and test_kvzap_e2e asks it for KVzap."""
+    return spec(path, "--context-length", "2048", "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
+                "--kvx-decode-steps", "on", max_total_tokens=4096)
+
+
+def test_tiny_qwen3_matches_hf(tiny_qwen3, server_pool):
+    assert_serves_like_hf(server_pool.get(qwen3_spec(tiny_qwen3)), HFReference(tiny_qwen3))
