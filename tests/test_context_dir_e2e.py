@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.fresh_process]
 
 POLICY, P = "keydiff", 0.25
 POOL = 4096  # each worker's KV pool and context length
-LOAD_SECONDS = 20  # the concurrent load through the router
+LOAD_SECONDS = 10  # the concurrent load through the router (the soak, test_tier_soak.py, loads one server longer)
 
 
 def worker(path, directory) -> ServerProcess:

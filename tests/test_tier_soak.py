@@ -43,7 +43,7 @@ MODEL = "tiny-llama"
 POLICY, P = "keydiff", 0.25  # the soak server's own settings (a child may name them or not)
 QUESTIONS = 2
 ANSWER = 8  # tokens of each pool reference; a child asks 1 to 8
-SOAK_SECONDS, SOAK_DOCS = 30, 14  # in the suite
+SOAK_SECONDS, SOAK_DOCS = 20, 14  # in the suite
 CLIENT_TIMEOUT = 60  # seconds: a soak request that takes longer is a hang (they take well under 10 s here)
 LONG_SECONDS, LONG_DOCS = 300, 16  # scripts/test.sh --long
 
