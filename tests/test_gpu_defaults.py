@@ -5,7 +5,7 @@ an H100 gets, kernels checked at start and contained when they fail.
   (``SGLANG_KVX_EMULATE_GRAPHS=1``, ``adapter/graph_replay.py`` says what that reproduces: a replay runs
   no plugin Python but SGLang's eager bodies) with a breakable prefill graph, as CUDA's default. Every
   policy keeps exactly the entries, and every child answers exactly what, the eager compacting server
-  keeps and answers (on the hybrid, one policy per way of scoring in the suite, all in the long tier); On-Demand Attention serves batches where every row runs Full (batch size 1 and 3);
+  keeps and answers (one policy per way of scoring in the suite, all 13 in the long tier); On-Demand Attention serves batches where every row runs Full (batch size 1 and 3);
   plain rows and children of flat contexts replay graphs (counted); the learned-gate family starts and serves.
 - Overlap: the dense GPU-defaults server also runs the overlap scheduler (``SGLANG_KVX_CPU_OVERLAP=1``):
   the combination matrix's features and the dense compaction oracle tests answer token for token as
@@ -101,10 +101,12 @@ def grew(before: dict, after: dict, key: str) -> int:
 # --- graphs --------------------------------------------------------------------------------------
 
 
-# On the hybrid, the suite compares one policy of each way a parent is scored (GDN signals and gates recorded
-# in the forward, attention recorded, hidden states scored chunk by chunk, the pool read after the prefill);
-# the dense model compares every policy, and the long tier every policy on the hybrid too.
-HYBRID_IN_SUITE = ("gatesight", "snapkv", "kvzap", "keydiff")
+# The suite compares one policy of each way a parent is scored -- GDN signals and output gates recorded in
+# the forward (GateSight; refused by name on the dense model, alike on both servers), attention recorded
+# (SnapKV), hidden states scored chunk by chunk (KVzap), the pool read after the prefill (KeyDiff), a
+# second pass of internal requests (KVzip, dense) -- and the long tier every servable policy on both models.
+IN_SUITE = {"tiny-llama": ("gatesight", "snapkv", "kvzap", "keydiff", "kvzip"),
+            "tiny-hybrid-deep": ("gatesight", "snapkv", "kvzap", "keydiff")}
 
 
 @pytest.mark.slow
@@ -113,16 +115,13 @@ def test_every_policy_keeps_and_answers_under_graphs_as_eagerly(demo_model, gpu_
     head, the same child tokens, or the same refusal; no parent is ever compacted from a partial recording.
     Recording parents and children reading per-layer lengths are declined; plain rows and children of flat
     contexts replay the decode and prefill graphs."""
-    if demo_model == "tiny-llama":
-        every_policy_alike(demo_model, gpu_defaults, references, servable_policy_names(), compared_at_least=8)
-    else:
-        every_policy_alike(demo_model, gpu_defaults, references, HYBRID_IN_SUITE, compared_at_least=4)
+    every_policy_alike(demo_model, gpu_defaults, references, IN_SUITE[demo_model], compared_at_least=4)
 
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_every_policy_keeps_and_answers_under_graphs_as_eagerly_on_the_hybrid(gpu_defaults, references):
-    every_policy_alike("tiny-hybrid-deep", gpu_defaults, references, servable_policy_names(), compared_at_least=8)
+def test_every_servable_policy_keeps_and_answers_under_graphs_as_eagerly(demo_model, gpu_defaults, references):
+    every_policy_alike(demo_model, gpu_defaults, references, servable_policy_names(), compared_at_least=8)
 
 
 def every_policy_alike(demo_model, gpu_defaults, references, policies, compared_at_least: int) -> None:

