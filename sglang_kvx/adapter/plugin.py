@@ -280,7 +280,8 @@ def _after_set_envs_and_config(_result, *_args, **_kwargs) -> None:
     from sglang_kvx.adapter.contract import FORKSERVER_PRELOAD
 
     multiprocessing.set_start_method("forkserver", force=True)
-    multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    multiprocessing.set_forkserver_preload(["sglang_kvx.adapter.forkserver_imports_begin", *FORKSERVER_PRELOAD,
+                                            "sglang_kvx.adapter.forkserver_imports_end"])
     logger.info("sglang_kvx: child processes start from a forkserver (%s=1)", CPU_FORKSERVER)
 
 
