@@ -167,18 +167,23 @@ def test_kv_fields_a_plain_server_would_ignore_are_refused(served):
     assert response.status_code == 200, response.text
 
 
-def _descendants(pid: int) -> list[int]:
-    children = {}
+def _parents() -> dict[int, int]:
+    """Every process's parent pid, from /proc."""
+    parents = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):  # a process that ended while we read
                 continue
-            children.setdefault(parent, []).append(int(entry.name))
+    return parents
+
+
+def _descendants(pid: int, parents: dict[int, int]) -> list[int]:
     found, todo = [], [pid]
     while todo:
-        below = children.get(todo.pop(), [])
+        current = todo.pop()
+        below = [child for child, parent in parents.items() if parent == current]
         found.extend(below)
         todo.extend(below)
     return found
@@ -195,10 +200,9 @@ def test_a_pooled_servers_scheduler_and_detokenizer_start_from_the_forkserver(se
     """The suite's pooled servers run SGLANG_KVX_CPU_FORKSERVER=1 (tests/server_pool.py): the scheduler and
     the detokenizer are children of one forkserver, not of the launcher (SGLang's spawn)."""
     name, server, _ = served
-    tree = _descendants(server.proc.pid)
-    roles = {pid: _cmdline(pid) for pid in tree}
+    parents = _parents()
+    roles = {pid: _cmdline(pid) for pid in _descendants(server.proc.pid, parents)}
     forkservers = [pid for pid, line in roles.items() if "multiprocessing.forkserver" in line]
     assert len(forkservers) == 1, (name, roles)
-    parents = {pid: int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in tree}
     served_by = {line.split()[0] for pid, line in roles.items() if parents.get(pid) == forkservers[0] and line}
     assert {"sglang::scheduler", "sglang::detokenizer"} <= served_by, (name, roles, parents)

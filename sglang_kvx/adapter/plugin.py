@@ -264,8 +264,8 @@ def _register_cpu_forkserver() -> None:
     from one forkserver that imported the scheduler's and detokenizer's modules once, instead of each
     spawned child importing SGLang (~13 CPU-s each on this machine's cores). What a child runs is the
     same: its target and pickled arguments, in a process whose modules were imported fresh (the
-    forkserver's, not the launcher's state). The test suite's pooled servers start this way; SGLang's
-    own spawn stays the default and what every fresh-process test starts with."""
+    forkserver's, not the launcher's state). The test suite's servers start this way; SGLang's own spawn
+    stays the default, and the launcher's own tests (test_cli, test_docs) start with it."""
     if os.environ.get(CPU_FORKSERVER) != "1" or not on_cpu_platform():
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType

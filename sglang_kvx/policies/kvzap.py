@@ -203,12 +203,11 @@ class KVzapPolicy(KVPolicy):
         self.threshold = float(threshold if threshold is not None else surrogate.manifest.get("threshold", float("nan")))
         if self.threshold != self.threshold:
             raise SurrogateMismatch(f"{self.name}: no threshold given and the surrogate's manifest has none")
-        self.window = WINDOW if window is None else window
-        self._window_given = window is not None
+        self.window = window
 
     def under(self, allocation: str) -> "KVzapPolicy":
         """Under a budget (any allocation but the threshold rule) the window is the one given, else none."""
-        if allocation == self.allocation or self._window_given:
+        if allocation == self.allocation or self.window is not None:
             return self
         budgeted = copy.copy(self)
         budgeted.window = 0
@@ -252,8 +251,9 @@ class KVzapPolicy(KVPolicy):
             scores = signals.streamed_scores[layer].float().clone()
         else:
             scores = self.surrogate.score(layer, layer_signal(signals, "hidden_states", layer, self.name))[heads]
-        if self.window:
-            scores[:, max(0, signals.n - self.window) :] = float("inf")
+        window = WINDOW if self.window is None else self.window
+        if window:
+            scores[:, max(0, signals.n - window) :] = float("inf")
         return scores.to(signals.score_device)
 
 
