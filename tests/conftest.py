@@ -147,7 +147,7 @@ def _servers_start_only_in_the_pool(server_pool):
 
     original = subprocess.Popen.__init__
 
-    def init(self, args, *rest, **kwargs):
+    def check(args) -> None:
         command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
         if any(marker in command for marker in SERVER_COMMANDS) and not server_pool.starting:
             node = server_pool.current
@@ -156,11 +156,16 @@ def _servers_start_only_in_the_pool(server_pool):
                                    "server_pool.get(...), or mark the test fresh_process if it needs a new process")
             server_pool.fresh_starts += 1
             server_pool.fresh_by_current += 1
+
+    def init(self, args, *rest, **kwargs):
+        check(args)
         original(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = init
+    server_pool.zygote.before_fork = check  # a launcher forked by the zygote is a start too
     yield
     subprocess.Popen.__init__ = original
+    server_pool.zygote.before_fork = None
 
 
 def tests_on_path() -> dict[str, str]:

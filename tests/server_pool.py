@@ -28,7 +28,8 @@ from pathlib import Path
 
 import requests
 
-from sglang_kvx.serve.launcher import ServerProcess, flush_cache
+from server_zygote import Zygote
+from sglang_kvx.serve.launcher import ServerProcess, flush_cache, server_env
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ class ServerPool:
     fresh_by_current: int = 0  # ... by the running test
     starting: bool = False  # the pool is starting a server (conftest's guard lets it through)
     hot: set[ServerSpec] = field(default_factory=set)  # used by many files: the last to be stopped for room
+    # The launchers' zygote (tests/server_zygote.py), in the environment every pooled server shares.
+    zygote: Zygote = field(default_factory=lambda: Zygote(server_env()))
 
     def get(self, server_spec: ServerSpec, hot: bool = False) -> ServerProcess:
         """The running server of ``server_spec``, started if need be; ``hot``: one that many test files
@@ -198,9 +201,9 @@ class ServerPool:
         """Start one server (``ServerProcess.start`` picks another port when another process took
         the free one first: pytest-xdist workers pick ports at the same time)."""
         env = {**model_registry_env(server_spec.model_path), **FORKSERVER_START, **dict(server_spec.env)}
-        server = ServerProcess(server_spec.model_path, *server_spec.args,
-                               max_total_tokens=server_spec.max_total_tokens, env=env,
-                               log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log")
+        server = ServerProcess(server_spec.model_path, *server_spec.args, max_total_tokens=server_spec.max_total_tokens,
+                               env=env, log_path=self.log_dir / f"pooled-{len(self.starts):02d}.log",
+                               **self.zygote.starting())
         self.starting = True
         try:
             return server.start()
@@ -260,5 +263,6 @@ class ServerPool:
     def close(self) -> None:
         for server_spec in list(self.live):
             self._drop(server_spec)
+        self.zygote.close()
         for directory in (TIERED_DIR, SOAK_DIR):  # the shared servers' context directories, this process's own
             shutil.rmtree(directory, ignore_errors=True)

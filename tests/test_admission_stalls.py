@@ -37,10 +37,11 @@ def _timed(server: ServerProcess, payload: dict) -> tuple[requests.Response, flo
 
 @pytest.mark.slow
 @pytest.mark.fresh_process
-def test_requests_the_reserve_blocks_are_refused_at_once_and_block_nobody(demo_paths, tmp_path) -> None:
+def test_requests_the_reserve_blocks_are_refused_at_once_and_block_nobody(demo_paths, tmp_path, server_pool) -> None:
     with ServerProcess(demo_paths["tiny-llama"], "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5",
                        "--context-length", str(POOL), "--kvx-min-store-fraction", "0.5",
-                       max_total_tokens=POOL, log_path=tmp_path / "server.log", env=FORKSERVER_START) as server:
+                       max_total_tokens=POOL, log_path=tmp_path / "server.log", env=FORKSERVER_START,
+                       **server_pool.zygote.starting()) as server:
         for seed, tenant in enumerate(("a", "b")):  # two tenants' contexts, both within the reserve
             parent, _ = _timed(server, {"input_ids": _ids(900, seed), "sampling_params": {
                 "max_new_tokens": 0, "custom_params": {"kvx": {"tenant": tenant}}}})

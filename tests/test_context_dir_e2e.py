@@ -33,11 +33,13 @@ POOL = 4096  # each worker's KV pool and context length
 LOAD_SECONDS = 10  # the concurrent load through the router (the soak, test_tier_soak.py, loads one server longer)
 
 
-def worker(path, directory) -> ServerProcess:
-    # No store reserve: the load's long plain requests may push every context out of a worker's pool.
+def worker(path, directory, zygote) -> ServerProcess:
+    # No store reserve: the load's long plain requests may push every context out of a worker's pool. Each
+    # worker is a process of its own, forked from the pool's zygote (tests/server_zygote.py).
     return ServerProcess(path, "--kvx-policy", POLICY, "--kvx-keep-fraction", str(P), "--context-length", str(POOL),
                          "--kvx-min-store-fraction", "0", "--kvx-context-dir", str(directory),
-                         "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=POOL, env=FORKSERVER_START)
+                         "--kvx-persist-contexts", "on", "--enable-metrics", max_total_tokens=POOL, env=FORKSERVER_START,
+                         **zygote.starting())
 
 
 def ask(url: str, ids: list[int], max_new_tokens: int) -> dict:
@@ -51,13 +53,14 @@ def outcome(body: dict) -> dict:
     return (body["meta_info"].get("kvx") or [{}])[-1]
 
 
-def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_contexts(demo_paths, references, tmp_path):
+def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_contexts(demo_paths, references, tmp_path,
+                                                                                      server_pool):
     pytest.importorskip("sglang_router", reason="the test extra installs sglang-router")
     from sglang_kvx.adapter.router import RouterProcess
 
     ref = references["tiny-llama"]
     directory = tmp_path / "contexts"
-    first, second = worker(demo_paths["tiny-llama"], directory), worker(demo_paths["tiny-llama"], directory)
+    first, second = (worker(demo_paths["tiny-llama"], directory, server_pool.zygote) for _ in range(2))
     restarted = None
     try:
         with ThreadPoolExecutor(2) as starting:  # side by side: each start waits on imports and loading
@@ -127,7 +130,7 @@ def test_servers_sharing_a_context_dir_behind_the_router_restore_each_others_con
             assert len(second.stats()["compacted_contexts"]) == len(sessions)  # every context now in its pool
 
         # A fresh server on the directory (the killed one's restart): every context restores from disk.
-        restarted = worker(demo_paths["tiny-llama"], directory).start()
+        restarted = worker(demo_paths["tiny-llama"], directory, server_pool.zygote).start()
         body = ask(restarted.url, sessions[2] + questions[0], 6)
         assert outcome(body).get("restored_from") == "disk" and body["output_ids"] == answers[(2, 0)][0]
         stats = restarted.stats()

@@ -206,3 +206,17 @@ def test_a_pooled_servers_scheduler_and_detokenizer_start_from_the_forkserver(se
     assert len(forkservers) == 1, (name, roles)
     served_by = {line.split()[0] for pid, line in roles.items() if parents.get(pid) == forkservers[0] and line}
     assert {"sglang::scheduler", "sglang::detokenizer"} <= served_by, (name, roles, parents)
+
+
+def test_a_pooled_servers_launcher_is_forked_from_the_zygote_which_refuses_what_a_fork_would_change(served, server_pool):
+    """Pooled servers start from the pool's zygote (tests/server_zygote.py): the launcher's parent is the
+    zygote, not pytest. A server whose environment sets a variable the zygote's imports read (the CPU
+    platform reads SGLANG_KVX_EMULATE_GRAPHS at import) or one read below Python starts the usual way."""
+    name, server, _ = served
+    zygote = server_pool.zygote
+    assert _parents().get(server.proc.pid) == zygote.pid, (name, zygote.differences(server.env))
+    command = server.command()
+    assert zygote.fits(command, server.env)
+    for variable, value in (("SGLANG_KVX_EMULATE_GRAPHS", "1"), ("OMP_NUM_THREADS", "2")):
+        assert not zygote.fits(command, {**server.env, variable: value}), variable
+    assert not zygote.fits(["python", "-c", "pass"], server.env)

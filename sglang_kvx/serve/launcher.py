@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import requests
 
@@ -44,8 +45,9 @@ def flush_cache(url: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+def server_env(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """A server's environment: ``base`` (this process's by default) with the defaults below and ``extra``."""
+    env = dict(os.environ if base is None else base)
     # GDN prefill on two threads hits a denormal slow path (0.2 s -> 17 s); one thread is stable.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,6 +102,15 @@ class RunningServer(ServerClient):
         pass
 
 
+class Launch(Protocol):
+    """Another way to start the launcher's process (the test suite forks it from a process that imported
+    SGLang once: tests/server_zygote.py): given the command, its environment and the log's path, a process
+    in a session of its own whose handle offers ``pid``, ``poll()``, ``wait(timeout)`` and ``returncode``
+    as ``subprocess.Popen`` does."""
+
+    def __call__(self, command: list[str], env: dict[str, str], log_path: Path) -> "subprocess.Popen": ...
+
+
 class ServerProcess(ServerClient):
     """One SGLang server; ``with ServerProcess(...) as server:`` starts it and always stops it."""
 
@@ -112,6 +123,8 @@ class ServerProcess(ServerClient):
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         startup_timeout: float = 300.0,
+        launch: "Launch | None" = None,
+        base_env: dict[str, str] | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.port = port or free_port()
@@ -123,9 +136,10 @@ class ServerProcess(ServerClient):
         # whatever runs beside it (the test's HF oracle, another server). It wakes on the next request.
         if "--sleep-on-idle" not in self.args:
             self.args.append("--sleep-on-idle")
-        self.env = server_env(env)
+        self.env = server_env(env, base=base_env)
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="sglang-kvx-", suffix=".log")[1])
         self.startup_timeout = startup_timeout
+        self.launch = launch
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
@@ -156,11 +170,14 @@ class ServerProcess(ServerClient):
 
     def _start_once(self) -> "ServerProcess":
         t0 = time.perf_counter()
-        self._log = open(self.log_path, "w")
-        # Own process group: stopping the server stops its scheduler and detokenizer too.
-        self.proc = subprocess.Popen(
-            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
+        if self.launch is not None:
+            self.proc = self.launch(self.command(), self.env, self.log_path)
+        else:
+            self._log = open(self.log_path, "w")
+            # Own process group: stopping the server stops its scheduler and detokenizer too.
+            self.proc = subprocess.Popen(
+                self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         deadline = t0 + self.startup_timeout
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
