@@ -1,6 +1,6 @@
 """The order tests run in, and which tests pytest-xdist runs together on one worker.
 
-Server starts are most of the suite's time (~25 s each alone, ~30 s beside the other worker), and
+Server starts are much of the suite's time (~13 s each alone, ~14-18 s beside the other worker), and
 a worker's pool keeps three servers: a server asked for again after three others were started in
 between is started again. So the unit of work is a *server group*: the tests that use one shared
 configuration, from whichever file, run one after another on one worker. The files that enumerate

@@ -118,10 +118,11 @@ def shared_spec(kind: str, path: str, oda_head: str | Path | None = None, env: d
 
 
 # A pooled server's scheduler and detokenizer start from a forkserver that imported their SGLang modules
-# once (the plugin's SGLANG_KVX_CPU_FORKSERVER, adapter/plugin.py): a tiny-llama start then takes ~24
-# busy CPU-seconds instead of ~36-44, and the suite starts some 40 servers on 2 cores. Fresh-process tests
-# whose subject is not the start itself use it too; the launcher's own tests (test_cli, test_docs' README
-# commands) start as SGLang does (spawn).
+# once (the plugin's SGLANG_KVX_CPU_FORKSERVER, adapter/plugin.py), and its launcher is forked from the
+# pool's zygote (tests/server_zygote.py): a tiny-llama start then takes ~12 busy CPU-seconds instead of
+# ~24 (forkserver alone) or ~36 (spawn), and the suite starts some 40 servers on 2 cores. Fresh-process
+# tests whose subject is not the start itself use both; the launcher's own tests (test_cli, test_docs'
+# README commands) start as SGLang does (spawn).
 FORKSERVER_START = {"SGLANG_KVX_CPU_FORKSERVER": "1"}
 
 

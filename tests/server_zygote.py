@@ -18,7 +18,8 @@ server whose environment differs from the zygote's in one of those (but for the 
 wrote themselves: SGLang and torch point their caches at defaults), or in a variable read below
 Python (``OMP_*``, ``PYTHON*`` but ``PYTHONPATH``, ...), starts the usual way (``fits``): today the
 graph emulation's servers (the CPU platform reads ``SGLANG_KVX_EMULATE_GRAPHS`` at import) and those
-setting ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` (read by SGLang's scheduling policy at import). The launcher's own tests (tests/test_cli.py, the README's commands in
+setting ``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` (read by SGLang's scheduling policy at import). The
+launcher's own tests (tests/test_cli.py, the README's commands in
 tests/test_docs.py) always start it the usual way.
 
 Run as a script, this file is the zygote: one JSON request per line on stdin, one answer per line on
