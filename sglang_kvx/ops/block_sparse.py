@@ -169,9 +169,25 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
 
         return block_scores_triton(*args)
 
-    scores = run("block_select", impl, choose("block_select", impl, q.device), block_scores_reference,
-                 {"triton": triton}, q, block_keys, block_from, block_to, scaling)
-    return _pick(scores, block_from, block_to, budget_blocks, sink_blocks)
+    chosen = []
+    for q0, q1 in _score_tiles(block_from, block_to, block_keys.shape[1]):
+        scores = run("block_select", impl, choose("block_select", impl, q.device), block_scores_reference,
+                     {"triton": triton}, q[q0:q1], block_keys, block_from[q0:q1], block_to[q0:q1], scaling)
+        chosen.append(_pick(scores, block_from[q0:q1], block_to[q0:q1], budget_blocks, sink_blocks))
+    return torch.cat(chosen) if len(chosen) != 1 else chosen[0]
+
+
+SCORE_TILE_BYTES = 64 << 20  # the indexer's [queries, Hkv, blocks] float32 scores, per tile of queries
+
+
+def _score_tiles(block_from: torch.Tensor, block_to: torch.Tensor, kv_heads: int) -> list[tuple[int, int]]:
+    """Query ranges whose scores fit SCORE_TILE_BYTES: a prefill chunk of 8K queries over 128K keys
+    scored whole was [8192, Hkv, 32768] float32 (8.6 GB at 8 KV heads). One host read per call."""
+    num_q = block_from.shape[0]
+    width = int((block_to - block_from).max()) if num_q else 0
+    per_query = max(1, kv_heads * width * 4 * 3)  # the scores, the ranked copy and topk's working set
+    step = max(1, SCORE_TILE_BYTES // per_query)
+    return [(q0, min(num_q, q0 + step)) for q0 in range(0, num_q, step)] or [(0, 0)]
 
 
 QUERY_CHUNK = 256  # queries per step of the reference: bounded [chunk, Hkv, budget, D] gathers
@@ -253,7 +269,8 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         length = keys.numel()
         block_slots, block_positions = row_blocks(keys.to(device))
         have = known_block_keys[b] if known_block_keys is not None and known_block_keys[b] is not None else None
-        have = have[: block_slots.shape[0]] if have is not None else k_cache.new_empty((0, *k_cache.shape[1:]), dtype=torch.float32)
+        have = have[: block_slots.shape[0]] if have is not None else k_cache.new_empty((0, *k_cache.shape[1:]),
+                                                                                       dtype=torch.float32)
         known.append(have)
         fresh.append(block_slots[have.shape[0] :])
         slots.append(block_slots)
@@ -265,9 +282,12 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         offset += block_slots.shape[0]
     built = compress_blocks(k_cache, torch.cat(fresh), where_offered("block_compress", impl),
                             extra_keys).split([f.shape[0] for f in fresh])
-    per_row = [torch.cat([have, new]) for have, new in zip(known, built)]
+    # Kept in the pool's dtype (the index lives as long as its row: half the bytes of float32 on a
+    # 16-bit pool), fresh keys rounded the same, so a block scores alike whether built now or before.
+    index_dtype = k_cache.dtype if k_cache.dtype.itemsize >= 2 else torch.float32  # not an 8-bit cache's
+    per_row = [torch.cat([have.to(index_dtype), new.to(index_dtype)]) for have, new in zip(known, built)]
     block_slots, block_positions = torch.cat(slots), torch.cat(positions)
-    chosen = select_blocks(q, torch.cat(per_row), torch.cat(block_from), torch.cat(block_to), budget_blocks,
+    chosen = select_blocks(q, torch.cat(per_row).float(), torch.cat(block_from), torch.cat(block_to), budget_blocks,
                            sink_blocks, scaling, where_offered("block_select", impl))
     out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
                                  scaling, where_offered("block_sparse_attention", impl), extra_keys, extra_values, plans)

@@ -74,7 +74,7 @@ def _scores_kernel(q_ptr, c_ptr, from_ptr, to_ptr, out_ptr, stride_qn, stride_qh
     d = tl.arange(0, BLOCK_D)
     g = tl.arange(0, BLOCK_G)
     d_ok = d < head_dim
-    q = tl.load(q_ptr + n * stride_qn + (kv_head * group + g)[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + (kv_head * group + g)[:, None] * stride_qh + d[None, :],
                 mask=(g[:, None] < group) & d_ok[None, :], other=0.0).to(tl.float32)
     q = tl.sum(q, axis=0)  # the group's summed query
     lo = tl.load(from_ptr + n)
@@ -86,7 +86,8 @@ def _scores_kernel(q_ptr, c_ptr, from_ptr, to_ptr, out_ptr, stride_qn, stride_qh
                     mask=visible[:, None] & d_ok[None, :], other=0.0)
         s = tl.sum(c * q[None, :], axis=1) * scaling
         s = tl.where(visible, s, float("-inf"))
-        tl.store(out_ptr + n * stride_on + kv_head * stride_oh + w, s, mask=w < width)
+        # 64-bit offsets: n * stride_on passes 2**31 for a chunk of 8K queries over 128K keys
+        tl.store(out_ptr + n.to(tl.int64) * stride_on + kv_head * stride_oh + w, s, mask=w < width)
 
 
 def block_scores_triton(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,

@@ -17,7 +17,8 @@ def sum_over_kv_groups(per_query_head: torch.Tensor, num_kv_heads: int) -> torch
     return per_query_head.reshape(num_kv_heads, group_size, *per_query_head.shape[1:]).sum(dim=1)
 
 
-QUERY_BLOCK = 512  # queries per block: bounded [q_heads, 512, S] logits at a time
+QUERY_BLOCK = 512  # queries per block
+KEY_TILE = 4096  # keys per tile: a block's logits are [q_heads, QUERY_BLOCK, KEY_TILE] at most, whatever S
 
 
 def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor, scaling: float, first_position: int) -> None:
@@ -27,20 +28,38 @@ def add_column_sums(sums: torch.Tensor, queries: torch.Tensor, keys: torch.Tenso
     queries [t, q_heads, D] sit at positions first_position .. first_position + t - 1 (one prefill
     chunk); keys [S, kv_heads, D] are every key up to the last of them, post-RoPE as cached.
     Accumulated chunk by chunk, this is ContextSignals.attention_column_sums.
+
+    Tiled over keys as well as queries, so that no transient grows with S (a [q_heads, 512, S] float32
+    block was 8.6 GB per layer at 128K on 32 heads): a first pass over the key tiles finds each
+    query's softmax maximum and denominator, a second adds each tile's normalised weights to its
+    keys' sums. Keys are read per KV group, never repeated per query head.
     """
     num_q_heads = queries.shape[1]
-    seq_len = keys.shape[0]
-    if sums.shape[0] not in (num_q_heads, keys.shape[1]):
-        raise ValueError(f"sums for {sums.shape[0]} heads: expected {num_q_heads} query or {keys.shape[1]} KV heads")
-    keys = keys.float().repeat_interleave(num_q_heads // keys.shape[1], dim=1)  # [S, q_heads, D]
-    key_positions = torch.arange(seq_len, device=keys.device)
+    seq_len, num_kv_heads, head_dim = keys.shape
+    if sums.shape[0] not in (num_q_heads, num_kv_heads):
+        raise ValueError(f"sums for {sums.shape[0]} heads: expected {num_q_heads} query or {num_kv_heads} KV heads")
+    group = num_q_heads // num_kv_heads
     for start in range(0, queries.shape[0], QUERY_BLOCK):
-        block = queries[start : start + QUERY_BLOCK].float()
-        logits = torch.einsum("thd,shd->hts", block, keys) * scaling
+        block = queries[start : start + QUERY_BLOCK].float().view(-1, num_kv_heads, group, head_dim)
         query_positions = first_position + start + torch.arange(block.shape[0], device=keys.device)
-        future = key_positions[None, :] > query_positions[:, None]
-        block_sums = logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=1)  # [q_heads, S]
-        sums[:, :seq_len] += sum_over_kv_groups(block_sums, sums.shape[0])
+        visible_end = min(seq_len, int(first_position + start + block.shape[0]))  # later keys: no query sees them
+        tiles = [(k0, min(k0 + KEY_TILE, visible_end)) for k0 in range(0, visible_end, KEY_TILE)]
+
+        def logits(k0: int, k1: int) -> torch.Tensor:  # [kv_heads, group, t, k1 - k0], the future at -inf
+            scores = torch.einsum("tkgd,skd->kgts", block, keys[k0:k1].float()) * scaling
+            future = torch.arange(k0, k1, device=keys.device)[None, :] > query_positions[:, None]
+            return scores.masked_fill_(future, float("-inf"))
+
+        peak = torch.full(block.shape[1:3] + block.shape[:1], float("-inf"), device=keys.device)  # [kv, g, t]
+        total = torch.zeros_like(peak)
+        for k0, k1 in tiles:
+            tile = logits(k0, k1)
+            new_peak = torch.maximum(peak, tile.amax(dim=-1))
+            total = total * (peak - new_peak).exp() + (tile - new_peak[..., None]).exp().sum(dim=-1)
+            peak = new_peak
+        for k0, k1 in tiles:
+            weights = (logits(k0, k1) - peak[..., None]).exp_().div_(total[..., None]).sum(dim=2)  # [kv, g, tile]
+            sums[:, k0:k1] += weights.reshape(num_q_heads, k1 - k0) if sums.shape[0] == num_q_heads else weights.sum(dim=1)
 
 
 class ColumnSumsState:
