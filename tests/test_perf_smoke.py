@@ -236,6 +236,11 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
             "reprefill_compaction_over_restore", "child_speedup", "host_bytes", "slots")
         assert r["server"]["pool_tokens"] == tiered.stats()["kv_pool_total_tokens"] and row["restore_s"] > 0
 
+        r = run("count_host_syncs.py", "--context", "200", "--rows", "2", "--new-tokens", "4", "--models", "tiny-llama")
+        has(r, "per_decode_step", "over_plain_per_layer")
+        assert set(r["per_decode_step"]) == {f"tiny-llama/{kind}" for kind in ("plain", "flat", "pyramidkv", "global",
+                                                                               "streamingllm")}
+
         r = run("bench_cpu_extend.py", "--cases", "300+1,100+200")
         has(r, "shape", "cases")
         for row in r["cases"].values():

@@ -20,13 +20,16 @@ LINK_ATTR = "_kvx_link"
 class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
-    __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "_batch")
+    __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "host_syncs", "_batch")
 
     def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
         self.metrics = metrics  # adapter.metrics.KvxMetrics with --enable-metrics, else None
         self.kernel_plans = DecodePlans()  # FlashInfer wrappers: planned once per forward batch, run per layer
         self.graph_declines: dict[str, int] = {}  # batches kept off a captured graph, by reason (/kvx/stats)
+        # Under SGLANG_KVX_COUNT_HOST_SYNCS=1: per forward mode and batch size, the last forward's host syncs
+        # by kind (ops/host_syncs.py); None otherwise (nothing counted, nothing slowed).
+        self.host_syncs: dict[str, dict[str, int]] | None = None
         self._batch: SGLangBatch | None = None
 
     def begin(self, forward_batch: Any, rows: list[int]) -> SGLangBatch:

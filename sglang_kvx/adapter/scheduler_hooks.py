@@ -48,6 +48,8 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     runtime.gdn_from_backend = on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
     collector = getattr(scheduler, "metrics_collector", None)  # SGLang's, with --enable-metrics (stats rank)
     link = Link(runtime, metrics=None if collector is None else _metrics(collector.labels))
+    if os.environ.get(COUNT_HOST_SYNCS) == "1":
+        link.host_syncs = {}
     runner = scheduler.tp_worker.model_runner
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
         attach(holder, link)
@@ -370,7 +372,25 @@ def around_is_disable_overlap_for_batch(original, scheduler, batch, last_batch=N
     return runtime.decode.before_first_step([SGLangRequest(req).row for req in batch.reqs if req.kv.holds_kv])
 
 
+# A diagnostic (issue #56 item 3): each forward counted for what would make a GPU wait for the host,
+# the last of each mode and batch size in /kvx/stats (``host_syncs``). Slows every forward: measuring only.
+COUNT_HOST_SYNCS = "SGLANG_KVX_COUNT_HOST_SYNCS"
+
+
 def around_model_forward(original, model_runner, forward_batch, *args, **kwargs):
+    link = link_of(model_runner.req_to_token_pool)
+    if link is None or link.host_syncs is None:
+        return _model_forward(original, model_runner, forward_batch, *args, **kwargs)
+    from sglang_kvx.ops.host_syncs import HostSyncCounter
+
+    with HostSyncCounter() as counter:
+        output = _model_forward(original, model_runner, forward_batch, *args, **kwargs)
+    mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
+    link.host_syncs[f"{mode}[{forward_batch.batch_size}]"] = {"total": counter.total, **counter.counts}
+    return output
+
+
+def _model_forward(original, model_runner, forward_batch, *args, **kwargs):
     """A forward with decode-step rows. Decode: spans first, the forward, a re-run where a step asks
     (every row's recurrent state restored first, so rows not re-run compute the same again), drops.
     What the rows' steps read of the forward besides the logits (``DecodeStep.forward_outputs``) is

@@ -1,0 +1,98 @@
+"""Host syncs per decode step of a batch of 8 rows, by kind of row (issue #56 item 3: the counts).
+
+    OMP_NUM_THREADS=1 python perf/count_host_syncs.py [--context 1000] [--rows 8] [--new-tokens 32]
+
+What would make a GPU wait for the host, counted on this CPU (``sglang_kvx/ops/host_syncs.py``) over
+whole forwards of a real server started with ``SGLANG_KVX_COUNT_HOST_SYNCS=1``: ``.item()``,
+``.tolist()``, ``bool(t)``, ``.cpu()``, data-sized ops, tensors built from host data. Each kind sends
+``--rows`` requests at once, so that they decode as one batch, and reads the last decode forward of
+that batch size from ``/kvx/stats``. Kinds: ``plain`` rows; children of one context compacted by
+KeyDiff at p = 0.5 with the ``flat``, ``pyramidkv`` (per-layer lengths, borrowed cells) and
+``global`` (per-layer and per-head lengths) allocations; plain rows under the ``streamingllm`` decode
+step (4 sinks, a 64-token window); on tiny-hybrid-deep, ``plain`` and GateSight's ``gate`` children.
+A count includes SGLang's own (the ``plain`` row of the same model); ``over_plain_per_layer`` is the
+extension's share per attention layer. Prints one JSON object, last.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from sglang_kvx.serve.launcher import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+COUNT_ENV = {"SGLANG_KVX_COUNT_HOST_SYNCS": "1"}
+# model -> (server flags, attention layers, {kind: what each request carries in custom_params.kvx})
+MODELS = {
+    "tiny-llama": (("--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5", "--kvx-decode-steps", "on"), 4, {
+        "plain": None, "flat": {"allocation": "flat"}, "pyramidkv": {"allocation": "pyramidkv"},
+        "global": {"allocation": "global"}, "streamingllm": {"decode": {"step": "streamingllm", "sinks": 4, "window": 64}}}),
+    "tiny-hybrid-deep": (("--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2"), 2, {
+        "plain": None, "gate": {"allocation": "gate"}}),
+}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed: int) -> dict:
+    """The last decode forward of ``args.rows`` rows of this kind: host syncs by kind of call."""
+    context = _ids(args.context, seed)
+    is_child = fields is not None and "allocation" in fields
+    if is_child:  # the parent: compacted with this allocation, then its children
+        parent = server.generate({"input_ids": context, "sampling_params": {
+            "max_new_tokens": 0, "custom_params": {"kvx": fields}}})
+        parent.raise_for_status()
+    requests_ = []
+    for row in range(args.rows):
+        question = _ids(16, seed * 100 + row)
+        params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
+        if fields is not None:  # a child names its context's settings, as its parent did
+            params["custom_params"] = {"kvx": fields}
+        prompt = context + question if is_child else _ids(args.context, seed * 100 + row) + question
+        requests_.append({"input_ids": prompt, "sampling_params": params})
+    with ThreadPoolExecutor(args.rows) as pool:
+        bodies = [r.json() for r in pool.map(server.generate, requests_)]
+    if is_child:
+        assert all((b["meta_info"].get("kvx") or [{}])[-1].get("child") for b in bodies), kind
+    counted = server.stats().get("host_syncs", {}).get(f"decode[{args.rows}]")
+    if counted is None:
+        raise RuntimeError(f"{kind}: no decode of {args.rows} rows was counted: {server.stats().get('host_syncs')}")
+    server.flush()
+    return counted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=1000, help="tokens of each context (default: 1000)")
+    parser.add_argument("--rows", type=int, default=8, help="requests decoding as one batch (default: 8)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each request generates (default: 32)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
+    args = parser.parse_args()
+    result = {"context": args.context, "rows": args.rows, "per_decode_step": {}, "over_plain_per_layer": {}}
+    for name in args.models.split(","):
+        flags, layers, kinds = MODELS[name]
+        with ServerProcess(ROOT / "weights" / name, *flags, "--context-length", str(args.context + 64),
+                           max_total_tokens=args.rows * (args.context + 64) + 2 * args.context, env=COUNT_ENV) as server:
+            counts = {kind: count_kind(server, kind, fields, args, seed) for seed, (kind, fields) in enumerate(kinds.items())}
+        plain = counts["plain"]["total"]
+        for kind, counted in counts.items():
+            result["per_decode_step"][f"{name}/{kind}"] = counted
+            if kind != "plain":
+                result["over_plain_per_layer"][f"{name}/{kind}"] = round((counted["total"] - plain) / layers, 2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
