@@ -241,6 +241,11 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
         assert set(r["per_decode_step"]) == {f"tiny-llama/{kind}" for kind in ("plain", "flat", "pyramidkv", "global",
                                                                                "streamingllm")}
 
+        r = run("bench_child_decode.py", "--context", "512", "--rows", "2", "--new-tokens", "4", "--repeats", "1")
+        has(r, "decode_seconds_per_step", "ratio", "masked_attention_calls")
+        assert set(r["ratio"]) == {"tiny-llama/flat", "tiny-llama/pyramidkv", "tiny-llama/global", "tiny-llama/streamingllm",
+                                   "tiny-hybrid-deep/gate"} and r["masked_attention_calls"]["tiny-llama/flat"] == 0
+
         r = run("bench_cpu_extend.py", "--cases", "300+1,100+200")
         has(r, "shape", "cases")
         for row in r["cases"].values():

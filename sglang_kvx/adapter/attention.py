@@ -78,6 +78,7 @@ def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **k
     masked = masked_rows_of(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    link_of(self).masked_attention_calls += 1
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False, **kwargs)
 
 
@@ -87,6 +88,7 @@ def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **k
     masked = masked_rows_of(self, layer, forward_batch)
     if not masked:
         return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    link_of(self).masked_attention_calls += 1
     return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True, **kwargs)
 
 

@@ -32,6 +32,7 @@ def scheduler_stats(scheduler, config: KvxConfig, runtime=None) -> dict[str, Any
     link = link_of(scheduler.req_to_token_pool)
     if link is not None:  # batches the plugin kept off captured graphs, by reason (around_can_run_graph)
         stats["graph_declines"] = dict(link.graph_declines)
+        stats["masked_attention_calls"] = link.masked_attention_calls
         if link.host_syncs is not None:  # SGLANG_KVX_COUNT_HOST_SYNCS=1 (scheduler_hooks.around_model_forward)
             stats["host_syncs"] = dict(link.host_syncs)
     # Kernels that failed at their start-up check or inside a forward: the torch reference serves them now.
