@@ -287,9 +287,11 @@ def masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, mask
         link = link_of(backend)
         view = link.batch(forward_batch)  # rows and seq_lens read on the host once per batch
         window = [n - b if b > a else 0 for n, a, b in zip(view.seq_lens, lo, hi)]
-        sinks_and_window = torch.tensor([lo, window], dtype=torch.long, device=rows.device)
-        # Layers hiding the same ranges read the same cells: FlashInfer plans once for all of them.
+        # Layers hiding the same ranges read the same cells: FlashInfer plans once for all of them, and
+        # the ranges go to the device once per batch (a StreamingLLM row hides the same in every layer).
         plan_key = (tuple(view.rows), tuple(view.seq_lens), tuple(lo), tuple(hi))
+        sinks_and_window = view.shared(("sinks_and_window", plan_key), lambda: torch.tensor(
+            [lo, window], dtype=torch.long, device=rows.device))
         out = window_attention(q.reshape(-1, num_heads, head_dim), k_cache, v_cache,
                                backend.req_to_token_pool.req_to_token, rows, forward_batch.seq_lens,
                                sinks_and_window[0], sinks_and_window[1],

@@ -291,13 +291,21 @@ class SGLangBatch:
     batch where the adapter has it (``rows``: built before the forward, so no layer reads a device tensor
     back -- under the overlap scheduler that would wait for the forward), else read once, lazily."""
 
-    __slots__ = ("fb", "_rows", "_segments", "_seq_lens")
+    __slots__ = ("fb", "_rows", "_segments", "_seq_lens", "_shared")
 
     def __init__(self, forward_batch, rows: list[int] | None = None) -> None:
         self.fb = forward_batch
         self._rows: list[int] | None = rows
         self._segments: list[Segment] | None = None
         self._seq_lens: list[int] | None = None
+        self._shared: dict = {}
+
+    def shared(self, key, build):
+        """What the layers of this forward batch share: ``build()`` once per batch and key (a device copy
+        of host values made in the first layer, not in every layer)."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
 
     def serves(self, forward_batch) -> bool:
         """Whether this view is of ``forward_batch``: the batch itself, or SGLang's copy of it into its
