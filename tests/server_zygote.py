@@ -114,7 +114,13 @@ class Zygote:
     def fits(self, command: list[str], env: dict[str, str]) -> bool:
         """Whether a fork gives what exec'ing ``command`` with ``env`` would: SGLang's launcher, and no
         variable the zygote's imports (or the libraries below Python) read differs."""
-        return command[:3] == [sys.executable, "-m", LAUNCH_MODULE] and not self.differences(env)
+        if command[:3] != [sys.executable, "-m", LAUNCH_MODULE]:
+            return False
+        try:
+            return not self.differences(env)
+        except (RuntimeError, OSError) as exc:  # the zygote died (the OOM killer): servers start the usual way
+            print(f"[kvx zygote] {exc}; starting servers the usual way", file=sys.stderr)
+            return False
 
     def differences(self, env: dict[str, str]) -> set[str]:
         """The variables of ``env`` that a fork of the zygote would not give the launcher."""
@@ -137,7 +143,7 @@ class Zygote:
         if self.before_fork is not None:
             self.before_fork(command)
         answer = self._ask({"op": "start", "argv": command[3:], "env": env, "log": str(log_path),
-                             "cwd": os.getcwd()})
+                            "cwd": os.getcwd()})
         self.forks += 1
         return ForkedLauncher(self, answer["pid"])
 
@@ -147,11 +153,21 @@ class Zygote:
         return {"launch": self.launch, "base_env": self.env}
 
     def exit_code(self, pid: int) -> int | None:
-        return self._ask({"op": "poll", "pid": pid})["returncode"]
+        try:
+            return self._ask({"op": "poll", "pid": pid})["returncode"]
+        except (RuntimeError, OSError):  # the zygote is gone: its launchers were handed to init, which reaps them
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -1  # ended, with a status nobody here can read
+            return None
 
     def close(self) -> None:
         if self._proc is not None:
-            self._proc.stdin.close()  # the zygote exits at the end of its input
+            try:
+                self._proc.stdin.close()  # the zygote exits at the end of its input
+            except BrokenPipeError:
+                pass  # it is gone already
             try:
                 self._proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
