@@ -84,6 +84,7 @@ class Zygote:
         self._environ: dict[str, str] = {}  # the zygote's environment after its imports (which set a few)
         self._lock = threading.Lock()  # one request and its answer at a time
         self.forks = 0
+        self.dead = False  # it died once: every later start is exec'd
         self.before_fork: Callable[[list[str]], None] | None = None  # sees each command forked (the suite's guard)
 
     @property
@@ -114,12 +115,13 @@ class Zygote:
     def fits(self, command: list[str], env: dict[str, str]) -> bool:
         """Whether a fork gives what exec'ing ``command`` with ``env`` would: SGLang's launcher, and no
         variable the zygote's imports (or the libraries below Python) read differs."""
-        if command[:3] != [sys.executable, "-m", LAUNCH_MODULE]:
+        if command[:3] != [sys.executable, "-m", LAUNCH_MODULE] or self.dead:
             return False
         try:
             return not self.differences(env)
         except (RuntimeError, OSError) as exc:  # the zygote died (the OOM killer): servers start the usual way
-            print(f"[kvx zygote] {exc}; starting servers the usual way", file=sys.stderr)
+            self.dead = True
+            print(f"[kvx zygote] {exc}; starting servers the usual way from now on", file=sys.stderr)
             return False
 
     def differences(self, env: dict[str, str]) -> set[str]:
