@@ -23,9 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from bench_oda import prompt  # perf/ is on the path when run as a script
 
 from sglang_kvx.serve.launcher import ServerProcess
 
@@ -41,14 +42,9 @@ MODELS = {
 }
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
-
-
 def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed: int) -> dict:
     """The last decode forward of ``args.rows`` rows of this kind: host syncs by kind of call."""
-    context = _ids(args.context, seed)
+    context = prompt(seed, args.context, 500)
     is_child = fields is not None and "allocation" in fields
     if is_child:  # the parent: compacted with this allocation, then its children
         parent = server.generate({"input_ids": context, "sampling_params": {
@@ -56,12 +52,12 @@ def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed
         parent.raise_for_status()
     requests_ = []
     for row in range(args.rows):
-        question = _ids(16, seed * 100 + row)
+        question = prompt(seed * 100 + row, 16, 500)
         params = {"max_new_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True}
         if fields is not None:  # a child names its context's settings, as its parent did
             params["custom_params"] = {"kvx": fields}
-        prompt = context + question if is_child else _ids(args.context, seed * 100 + row) + question
-        requests_.append({"input_ids": prompt, "sampling_params": params})
+        ids = context + question if is_child else prompt(seed * 100 + row, args.context, 500) + question
+        requests_.append({"input_ids": ids, "sampling_params": params})
     with ThreadPoolExecutor(args.rows) as pool:
         bodies = [r.json() for r in pool.map(server.generate, requests_)]
     if is_child:

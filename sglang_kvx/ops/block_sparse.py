@@ -157,8 +157,10 @@ def _pick(scores: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor
 
 
 def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor,
-                  budget_blocks: int, sink_blocks: int, scaling: float, impl: str | None = None) -> torch.Tensor:
-    """[N, Hkv, budget_blocks] the blocks each query's KV head attends to (see the module doc)."""
+                  budget_blocks: int, sink_blocks: int, scaling: float, impl: str | None = None,
+                  max_span: int | None = None) -> torch.Tensor:
+    """[N, Hkv, budget_blocks] the blocks each query's KV head attends to (see the module doc). ``max_span``:
+    a bound on ``block_to - block_from`` the caller knows on the host (else read from the device once)."""
     if budget_blocks < sink_blocks + 1:
         raise ValueError(f"budget_blocks must hold the {sink_blocks} sink blocks and the local one, got {budget_blocks}")
     if bool((block_to <= block_from).any()):
@@ -170,7 +172,10 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
         return block_scores_triton(*args)
 
     chosen = []
-    for q0, q1 in _score_tiles(block_from, block_to, block_keys.shape[1]):
+    num_q = block_from.shape[0]
+    if max_span is None:
+        max_span = int((block_to - block_from).max()) if num_q else 0
+    for q0, q1 in _score_tiles(num_q, max_span, block_keys.shape[1]):
         scores = run("block_select", impl, choose("block_select", impl, q.device), block_scores_reference,
                      {"triton": triton}, q[q0:q1], block_keys, block_from[q0:q1], block_to[q0:q1], scaling)
         chosen.append(_pick(scores, block_from[q0:q1], block_to[q0:q1], budget_blocks, sink_blocks))
@@ -180,11 +185,9 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
 SCORE_TILE_BYTES = 64 << 20  # the indexer's [queries, Hkv, blocks] float32 scores, per tile of queries
 
 
-def _score_tiles(block_from: torch.Tensor, block_to: torch.Tensor, kv_heads: int) -> list[tuple[int, int]]:
-    """Query ranges whose scores fit SCORE_TILE_BYTES: a prefill chunk of 8K queries over 128K keys
-    scored whole was [8192, Hkv, 32768] float32 (8.6 GB at 8 KV heads). One host read per call."""
-    num_q = block_from.shape[0]
-    width = int((block_to - block_from).max()) if num_q else 0
+def _score_tiles(num_q: int, width: int, kv_heads: int) -> list[tuple[int, int]]:
+    """Query ranges whose scores (``width`` blocks at most per query) fit SCORE_TILE_BYTES: a prefill chunk
+    of 8K queries over 128K keys scored whole was [8192, Hkv, 32768] float32 (8.6 GB at 8 KV heads)."""
     per_query = max(1, kv_heads * width * 4 * 3)  # the scores, the ranked copy and topk's working set
     step = max(1, SCORE_TILE_BYTES // per_query)
     return [(q0, min(num_q, q0 + step)) for q0 in range(0, num_q, step)] or [(0, 0)]
@@ -288,7 +291,8 @@ def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     per_row = [torch.cat([have.to(index_dtype), new.to(index_dtype)]) for have, new in zip(known, built)]
     block_slots, block_positions = torch.cat(slots), torch.cat(positions)
     chosen = select_blocks(q, torch.cat(per_row).float(), torch.cat(block_from), torch.cat(block_to), budget_blocks,
-                           sink_blocks, scaling, where_offered("block_select", impl))
+                           sink_blocks, scaling, where_offered("block_select", impl),
+                           max_span=max((s.shape[0] for s in slots), default=0))  # a query sees its row's blocks at most
     out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
                                  scaling, where_offered("block_sparse_attention", impl), extra_keys, extra_values, plans)
     return out, per_row
