@@ -133,6 +133,20 @@ def test_an_empty_or_marked_directory_is_accepted_and_marked(tmp_path):
         build_config("knorm", 0.5, context_dir=str(fresh))
 
 
+def test_a_directory_another_starting_server_is_marking_is_accepted(tmp_path):
+    # Two servers behind the router start at once on one empty directory: the second lists it while the
+    # first's marker is still under its temporary name (CI saw the second refuse the directory).
+    shared = tmp_path / "contexts"
+    shared.mkdir()
+    (shared / f".tmp-4242-123456789-{MARKER}").write_text("{}")
+    build_config("knorm", 0.5, context_dir=str(shared), persist_contexts="on")
+    assert (shared / MARKER).is_file()
+    (shared / MARKER).unlink()
+    (shared / ".tmp-4242-123456789-.sglang-kvx-other").write_text("x")  # not our marker's name
+    with pytest.raises(KvxConfigError, match="sglang-kvx-other"):
+        build_config("knorm", 0.5, context_dir=str(shared))
+
+
 def plant_operator_files(directory: Path) -> None:
     """What an operator (or another program) may keep beside the contexts, some in our name patterns."""
     (directory / "notes.json").write_text('{"mine": true}')

@@ -62,7 +62,9 @@ def is_own_name(name: str) -> bool:
     """Whether ``name`` is one a server of this format writes in its directory."""
     temp = TEMP_NAME.fullmatch(name)
     inner = temp.group(1) if temp else name
-    return name == MARKER or bool(MANIFEST_NAME.fullmatch(inner) or TENSORS_NAME.fullmatch(inner))
+    # A marker's temporary name counts too: two servers starting at once on one empty directory see
+    # each other's marker before it is renamed into place.
+    return inner == MARKER or bool(MANIFEST_NAME.fullmatch(inner) or TENSORS_NAME.fullmatch(inner))
 
 
 def foreign_names(directory: Path) -> list[str]:
