@@ -26,10 +26,12 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sglang_kvx.adapter.cell_space import cell_space_of
 from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.adapter.graph_replay import on_capture_path
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
 from sglang_kvx.ops.window_attention import window_attention
+from sglang_kvx.serve.page_tables import BatchReads, LayerTable, build_batch_reads
 from sglang_kvx.store import PrefixCells
 
 
@@ -39,27 +41,61 @@ class PerLayerLengths:
     __slots__ = ()  # adds nothing to an instance's layout, so a built backend can take the subclass
 
 
+class ReadsPageTables:
+    """Marks a backend class whose own kernel reads a layer's page table (``serve/page_tables.py``):
+    it defines ``forward_page_table(q, k, v, layer, forward_batch, save_kv_cache, table, decode)``."""
+
+    __slots__ = ()
+
+
 def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
     """Batch index -> what that row reads of this layer where it differs from its whole row: a compacted
     prefix's cells, or a decode step's span (sinks and window). Empty for most batches."""
     link = link_of(backend)  # put on every backend of a compacting scheduler (adapter/forward.py)
-    if link is None or layer.is_cross_attention:
+    if link is None or layer.is_cross_attention or not _may_differ(link, forward_batch):
         return {}
+    index = link.runtime.compactor.layer_index.get(layer.layer_id)
+    return {} if index is None else _layer_masks(link.runtime, index, link.batch(forward_batch))
+
+
+def _may_differ(link, forward_batch) -> bool:
     runtime = link.runtime
     if not runtime.admission.rows.row_context and not runtime.decode:
-        return {}  # the common case: no running row reads a compacted prefix or runs a decode step
-    if on_capture_path(forward_batch.req_pool_indices):
-        return {}  # graphs are captured on dummy rows; batches with masked rows never replay one
-    index = runtime.compactor.layer_index.get(layer.layer_id)
-    if index is None:
-        return {}
-    batch = link.batch(forward_batch)
+        return False  # the common case: no running row reads a compacted prefix or runs a decode step
+    # Graphs are captured on dummy rows; batches with such rows never replay one.
+    return not on_capture_path(forward_batch.req_pool_indices)
+
+
+def _layer_masks(runtime, index: int, batch) -> dict[int, PrefixCells]:
     masked = runtime.admission.rows.masked_rows(index, batch)
     if runtime.decode and batch.is_decode:
         # A child running a decode step: its span over this layer's own keys (kept entries, then its tokens).
         contexts = runtime.admission.rows.child_contexts(index, batch)
         masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens, contexts))
     return masked
+
+
+def batch_reads_of(backend, forward_batch) -> BatchReads | None:
+    """The forward batch's page tables (``serve/page_tables.py``), built once per batch: in the backend's
+    ``init_forward_metadata``, or by the first layer that asks where SGLang planned elsewhere. None
+    when every row reads its whole row in every layer."""
+    link = link_of(backend)
+    if link is None or not _may_differ(link, forward_batch):
+        return None
+    batch = link.batch(forward_batch)
+    return batch.shared("batch_reads", lambda: _build_reads(backend, link.runtime, batch))
+
+
+def _build_reads(backend, runtime, batch) -> BatchReads | None:
+    layer_ids = sorted(runtime.compactor.layer_index, key=runtime.compactor.layer_index.get)
+    masked = [_layer_masks(runtime, index, batch) for index in range(len(layer_ids))]
+    if not any(masked):
+        return None
+    fb = batch.fb
+    q_lens = None if batch.is_decode else list(fb.extend_seq_lens_cpu)
+    reads = build_batch_reads(masked, layer_ids, batch.rows, batch.seq_lens, q_lens,
+                              backend.req_to_token_pool.req_to_token, cell_space_of(backend.token_to_kv_pool, layer_ids))
+    return reads or None
 
 
 def _sparse_budget(backend, layer, forward_batch) -> int:
@@ -73,23 +109,45 @@ def _sparse_budget(backend, layer, forward_batch) -> int:
 
 
 def _forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-    if budget := _sparse_budget(self, layer, forward_batch):
-        return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=False, **kwargs)
-    masked = masked_rows_of(self, layer, forward_batch)
-    if not masked:
-        return self._kvx_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-    link_of(self).masked_attention_calls += 1
-    return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=False, **kwargs)
+    return _forward(self, q, k, v, layer, forward_batch, save_kv_cache, False, **kwargs)
 
 
 def _forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-    if budget := _sparse_budget(self, layer, forward_batch):
-        return sparse_attention(self, q, k, v, layer, forward_batch, save_kv_cache, budget, decode=True, **kwargs)
-    masked = masked_rows_of(self, layer, forward_batch)
+    return _forward(self, q, k, v, layer, forward_batch, save_kv_cache, True, **kwargs)
+
+
+def _forward(backend, q, k, v, layer, forward_batch, save_kv_cache, decode: bool, **kwargs):
+    if budget := _sparse_budget(backend, layer, forward_batch):
+        return sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budget, decode, **kwargs)
+    base = backend._kvx_base.forward_decode if decode else backend._kvx_base.forward_extend
+    if not isinstance(backend, ReadsPageTables):  # a backend without a page-table reader: masks per layer
+        masked = masked_rows_of(backend, layer, forward_batch)
+    else:
+        reads = None if layer.is_cross_attention else batch_reads_of(backend, forward_batch)
+        index = link_of(backend).runtime.compactor.layer_index.get(layer.layer_id) if reads is not None else None
+        if index is None:
+            return base(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        table = reads.tables[index]
+        if table is not None and _unscaled(layer):
+            _check_plain_layer(layer, kwargs, "a compacted context's page table")
+            return backend.forward_page_table(q, k, v, layer, forward_batch, save_kv_cache, table, decode)
+        # A scaled (quantised) cache: the masked path applies the layer's scales.
+        masked = reads.masked[index] if table is None else masked_rows_of(backend, layer, forward_batch)
     if not masked:
-        return self._kvx_base.forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-    link_of(self).masked_attention_calls += 1
-    return masked_attention(self, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=True, **kwargs)
+        return base(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    link_of(backend).masked_attention_calls += 1
+    return masked_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, masked, decode=decode, **kwargs)
+
+
+def _unscaled(layer) -> bool:
+    """Whether the layer's cache holds keys and values as they are (SGLang's SDPA path applies no scale)."""
+    return all(scale is None or float(scale) == 1.0 for scale in (layer.k_scale, layer.v_scale))
+
+
+def _init_forward_metadata(self, forward_batch) -> None:
+    self._kvx_base.init_forward_metadata(self, forward_batch)
+    if isinstance(self, ReadsPageTables):
+        batch_reads_of(self, forward_batch)  # planned here, once per batch, before any layer runs
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -104,7 +162,8 @@ def per_layer_lengths_class(backend_class: type) -> type:
     if backend_class not in _SUBCLASSES:
         namespace = {"__module__": __name__, "__slots__": (), "_kvx_base": backend_class,
                      "__doc__": f"{backend_class.__name__} with per-layer lengths of compacted prefixes.",
-                     "forward_extend": _forward_extend, "forward_decode": _forward_decode}
+                     "forward_extend": _forward_extend, "forward_decode": _forward_decode,
+                     "init_forward_metadata": _init_forward_metadata}
         _SUBCLASSES[backend_class] = type(f"Kvx{backend_class.__name__}", (backend_class, PerLayerLengths), namespace)
     return _SUBCLASSES[backend_class]
 
@@ -125,7 +184,7 @@ def has_per_layer_lengths(backend) -> bool:
     return bool(inner) and all(has_per_layer_lengths(b) for b in inner)
 
 
-class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend)):
+class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend), ReadsPageTables):
     """SGLang's torch-native attention with per-layer lengths: the CPU default, registered as
     ``kvx_torch_native``. Its extend computes the new tokens' queries only where they are under
     half the row. SGLang's runs causal attention for every position of the row, prefix included,
@@ -140,6 +199,31 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend))
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Nothing to capture. Only the CPU graph emulation asks (``graph_replay.py``: this backend stands
         in there for a capturable one such as FA3); graphs are declared off for it everywhere else."""
+
+    def forward_page_table(self, q, k, v, layer, forward_batch, save_kv_cache: bool, table: LayerTable,
+                           decode: bool) -> torch.Tensor:
+        """One layer's attention over its page table, by the same SDPA code as every plain row: the table
+        stands in for ``req_to_token``, its rows for the batch's rows and its counts for their lengths."""
+        pool = self.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+        if table.space is not None:  # it reads cells of other layers' buffers too
+            k_cache, v_cache = table.space.keys, table.space.values
+        else:
+            k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = q_.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
+        rows = link_of(self).batch(forward_batch).shared("table_rows", lambda: torch.arange(
+            len(table.lens_host), device=table.cells.device))
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        if decode:
+            self._run_sdpa_forward_decode(q_, out, k_cache, v_cache, table.cells, rows, table.lens,
+                                          scaling=layer.scaling, enable_gqa=gqa, causal=False)
+        else:
+            self._run_sdpa_forward_extend(q_, out, k_cache, v_cache, table.cells, rows, table.lens, table.prefix_lens,
+                                          forward_batch.extend_seq_lens, scaling=layer.scaling, enable_gqa=gqa,
+                                          causal=True)
+        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,

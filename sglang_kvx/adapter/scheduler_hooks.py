@@ -437,7 +437,8 @@ def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output,
     runtime.decode.count_rerun(partial=not whole)
     if snapshot is not None:
         pool.restore_rows(rows, snapshot, None if whole else which)
-    if whole:
+    if whole:  # a new view: what the layers read is planned anew (the rows' spans changed)
+        link_of(model_runner.req_to_token_pool).begin(forward_batch, rows)
         return _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
     sub = decode_sub_batch(forward_batch, which)
     link_of(model_runner.req_to_token_pool).begin(sub, [rows[i] for i in which])  # its rows, as host ints
