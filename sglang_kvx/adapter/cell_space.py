@@ -51,3 +51,30 @@ def _find_space(pool, layer_ids: list[int]) -> CellSpace | None:
     heads, dim = first.shape[1:]
     cells = first.new_empty(0).set_(storage, 0, (total, heads, dim), (heads * dim, dim, 1))
     return CellSpace(keys=cells, values=cells[v_after.pop():], offsets=dict(zip(layer_ids, k_rows)))
+
+
+def around_create_kv_buffers(original, pool, *args, **kwargs):
+    """SGLang's ``MHATokenToKVPool._create_buffers_normal``, with every layer's [2, rows, H, D] K/V tensor a
+    slice of one [layers, 2, rows, H, D] allocation when compaction is on and the pool is SGLang's plain
+    token-major layout with equal K and V shapes (otherwise SGLang's own, unchanged: such layers' borrowed
+    cells stay on the masked path). Wrapped, not replaced by a registry: SGLang offers no allocation hook."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+    from sglang.srt.runtime_context import get_server_args
+
+    from sglang_kvx.adapter.server_config import config_of
+
+    try:
+        server_args = get_server_args()
+    except ValueError:  # SGLang's "not set yet": a pool built outside a server process (a test's)
+        server_args = None
+    k_shape, v_shape = pool._kv_buffer_shapes()
+    if (server_args is None or not config_of(server_args).enabled or pool.kv_cache_layout != "nhd"
+            or getattr(pool, "enable_custom_mem_pool", False) or k_shape != v_shape or pool.layer_num < 2):
+        return original(pool, *args, **kwargs)
+    rows = k_shape[0]
+    padded = -(-rows // pool.page_size) * pool.page_size  # SGLang pads each half to whole pages
+    with pool.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
+        arena = torch.zeros((pool.layer_num, 2, padded, *k_shape[1:]), dtype=pool.store_dtype, device=pool.device)
+    pool.k_buffer = [arena[layer, 0, :rows] for layer in range(pool.layer_num)]
+    pool.v_buffer = [arena[layer, 1, :rows] for layer in range(pool.layer_num)]
+    return None

@@ -32,6 +32,8 @@ SCHEDULER_HOOKS: dict[str, tuple[str, str]] = {
     # idle compacted contexts make way where the batch's allocation would otherwise fail.
     "sglang.srt.mem_cache.allocation.alloc_for_extend": ("around_alloc_for_extend", HOOK_AROUND),
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new": ("after_forward_batch_init", HOOK_AFTER),
+    # Every layer's K/V as slices of one allocation: page tables reach cells a layer borrows from another.
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool._create_buffers_normal": ("around_create_kv_buffers", HOOK_AROUND),
     "sglang.srt.mem_cache.common.release_kv_cache": ("around_release_kv_cache", HOOK_AROUND),
     # The decode step's room: idle unreserved compacted contexts go before SGLang retracts a request.
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator.check_decode_capacity": (

@@ -17,6 +17,7 @@ from sglang_kvx.adapter.attention_inputs import tap_attention_inputs
 from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
 from sglang_kvx.adapter.graph_replay import silent_in_replay
+from sglang_kvx.adapter.cell_space import around_create_kv_buffers  # noqa: F401 (a hook, found by name)
 from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
 from sglang_kvx.decode.row_state import FINAL_HIDDEN, INPUT_EMBEDDINGS, ForwardOutputs
 from sglang_kvx.serve.request_state import usage_of, waits, waits_for_room
