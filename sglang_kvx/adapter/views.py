@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from sglang_kvx.ops.host_syncs import host_values
 from sglang_kvx.ports import Segment
 
 STATE_ATTR = "_kvx_state"  # on a Req: its serve.request_state.RequestState
@@ -330,7 +331,7 @@ class SGLangBatch:
     def rows(self) -> list[int]:
         if self._rows is None:
             cpu = getattr(self.fb, "req_pool_indices_cpu", None)
-            self._rows = (cpu if cpu is not None else self.fb.req_pool_indices).tolist()  # one read per batch view
+            self._rows = host_values(cpu) if cpu is not None else self.fb.req_pool_indices.tolist()  # once per view
         return self._rows
 
     @property
@@ -338,7 +339,7 @@ class SGLangBatch:
         """Each row's keys this forward, the new tokens included."""
         if self._seq_lens is None:
             cpu = getattr(self.fb, "seq_lens_cpu", None)
-            self._seq_lens = (cpu if cpu is not None else self.fb.seq_lens).tolist()
+            self._seq_lens = host_values(cpu) if cpu is not None else self.fb.seq_lens.tolist()
         return self._seq_lens
 
     @property

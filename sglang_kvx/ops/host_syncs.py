@@ -55,3 +55,10 @@ class HostSyncCounter(TorchFunctionMode):
         if kind is not None:
             self.counts[kind] += 1
         return func(*args, **kwargs)
+
+
+def host_values(tensor: torch.Tensor) -> list:
+    """The values of a tensor kept on the host on every device (SGLang's ``*_cpu`` mirrors of a batch's
+    lengths and rows): read without waiting for a device. ``numpy()`` refuses a device tensor, so a mirror
+    that ever moved to the GPU fails here loudly instead of syncing quietly; not counted as a sync."""
+    return tensor.numpy().tolist()
