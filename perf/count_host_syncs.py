@@ -1,6 +1,6 @@
 """Host syncs per decode step of a batch of 8 rows, by kind of row (issue #56 item 3: the counts).
 
-    OMP_NUM_THREADS=1 python perf/count_host_syncs.py [--context 1000] [--rows 8] [--new-tokens 32]
+    OMP_NUM_THREADS=1 python perf/count_host_syncs.py [--context 1000] [--rows 8] [--new-tokens 32] [--where]
 
 What would make a GPU wait for the host, counted on this CPU (``sglang_kvx/ops/host_syncs.py``) over
 whole forwards of a real server started with ``SGLANG_KVX_COUNT_HOST_SYNCS=1``: ``.item()``,
@@ -8,8 +8,10 @@ whole forwards of a real server started with ``SGLANG_KVX_COUNT_HOST_SYNCS=1``: 
 ``--rows`` requests at once, so that they decode as one batch, and reads the last decode forward of
 that batch size from ``/kvx/stats``. Kinds: ``plain`` rows; children of one context compacted by
 KeyDiff at p = 0.5 with the ``flat``, ``pyramidkv`` (per-layer lengths, borrowed cells) and
-``global`` (per-layer and per-head lengths) allocations; plain rows under the ``streamingllm`` decode
-step (4 sinks, a 64-token window); on tiny-hybrid-deep, ``plain`` and GateSight's ``gate`` children.
+``global`` (per-layer and per-head lengths) allocations; plain rows under the ``streamingllm`` and
+``span_schedule`` decode steps (4 sinks, a 64-token window; Full every 3rd step); on tiny-hybrid-deep,
+``plain`` rows, GateSight's ``gate`` children and ``oda`` rows (its shipped recall head, theta 0).
+``--where`` adds each counted call's line (``kind@path:line``), to find them.
 A count includes SGLang's own (the ``plain`` row of the same model); ``over_plain_per_layer`` is the
 extension's share per attention layer. Prints one JSON object, last.
 """
@@ -31,14 +33,15 @@ from bench_oda import prompt  # perf/ is on the path when run as a script
 from sglang_kvx.serve.launcher import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNT_ENV = {"SGLANG_KVX_COUNT_HOST_SYNCS": "1"}
+COUNT_ENV = "SGLANG_KVX_COUNT_HOST_SYNCS"
 # model -> (server flags, attention layers, {kind: what each request carries in custom_params.kvx})
 MODELS = {
     "tiny-llama": (("--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5", "--kvx-decode-steps", "on"), 4, {
         "plain": None, "flat": {"allocation": "flat"}, "pyramidkv": {"allocation": "pyramidkv"},
-        "global": {"allocation": "global"}, "streamingllm": {"decode": {"step": "streamingllm", "sinks": 4, "window": 64}}}),
-    "tiny-hybrid-deep": (("--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2"), 2, {
-        "plain": None, "gate": {"allocation": "gate"}}),
+        "global": {"allocation": "global"}, "streamingllm": {"decode": {"step": "streamingllm", "sinks": 4, "window": 64}},
+        "span_schedule": {"decode": {"step": "span_schedule", "sinks": 4, "window": 64, "full_every": 3}}}),
+    "tiny-hybrid-deep": (("--kvx-policy", "gatesight", "--kvx-keep-fraction", "0.2", "--kvx-decode-steps", "on"), 2, {
+        "plain": None, "gate": {"allocation": "gate"}, "oda": {"decode": {"step": "oda", "sinks": 4, "window": 64}}}),
 }
 
 
@@ -75,12 +78,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="requests decoding as one batch (default: 8)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens each request generates (default: 32)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
+    parser.add_argument("--where", action="store_true", help="each counted call's line too")
     args = parser.parse_args()
     result = {"context": args.context, "rows": args.rows, "per_decode_step": {}, "over_plain_per_layer": {}}
     for name in args.models.split(","):
         flags, layers, kinds = MODELS[name]
         with ServerProcess(ROOT / "weights" / name, *flags, "--context-length", str(args.context + 64),
-                           max_total_tokens=args.rows * (args.context + 64) + 2 * args.context, env=COUNT_ENV) as server:
+                           max_total_tokens=args.rows * (args.context + 64) + 2 * args.context,
+                           env={COUNT_ENV: "where" if args.where else "1"}) as server:
             counts = {kind: count_kind(server, kind, fields, args, seed) for seed, (kind, fields) in enumerate(kinds.items())}
         plain = counts["plain"]["total"]
         for kind, counted in counts.items():

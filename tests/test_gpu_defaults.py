@@ -43,7 +43,7 @@ from test_compaction_e2e import GREEDY, served_keep_set, text
 ROOT = Path(__file__).resolve().parents[1]
 EMULATE = {"SGLANG_KVX_EMULATE_GRAPHS": "1"}
 OVERLAP = {"SGLANG_KVX_CPU_OVERLAP": "1"}
-RAISING = {"SGLANG_KVX_OPS_IMPL": "window_attention=raising"}  # tests/throwaway_raising_op.py's kernel
+RAISING = {"SGLANG_KVX_OPS_IMPL": "prefix_attention=raising"}  # tests/throwaway_raising_op.py's kernel
 
 
 def gpu_defaults_spec(base, dense: bool):
@@ -372,24 +372,28 @@ def test_a_kernel_failing_its_start_up_check_is_replaced_by_its_reference(monkey
 
 @pytest.mark.slow
 def test_a_kernel_failing_inside_a_forward_falls_back_and_the_request_is_answered(gpu_defaults, references):
-    """The dense GPU-defaults server runs ``tests/throwaway_raising_op.py``'s window attention, which passes
-    its start-up check and raises on the server's pool: a StreamingLLM request (its decode steps run that op)
-    is answered as on the compacting server, the scheduler lives on, the failure is counted and logged once."""
+    """The dense GPU-defaults server runs ``tests/throwaway_raising_op.py``'s prefix attention, which passes
+    its start-up check and raises on the server's pool: a child of a per-head (``global``) context, whose
+    question's extend reads the context through that op, is answered as on the compacting server, the
+    scheduler lives on, the failure is counted and logged once."""
     graphs, eager = gpu_defaults("tiny-llama")
     ref = references["tiny-llama"]
-    prompt = ref.encode(text(80, seed=93))
-    streaming = {"decode": {"step": "streamingllm", "sinks": 4, "window": 16}, "compact": False}
+    context, question = ref.encode(text(300, seed=93)), ref.encode(text(12, seed=94))
+    per_head = {"allocation": "global"}
+    answers = []
     for server in (graphs, eager):
         server.flush()
-    got, want = send(graphs, body(prompt, 16, **streaming)), send(eager, body(prompt, 16, **streaming))
-    assert got[0] == want[0] == 200, (got, want)
-    assert got[1]["output_ids"] == want[1]["output_ids"]
+        assert send(server, body(context, 0, **per_head))[0] == 200
+        answers.append(send(server, body(context + question, 8, **per_head)))
+    (got_status, got), (want_status, want) = answers
+    assert got_status == want_status == 200, answers
+    assert got["output_ids"] == want["output_ids"] and got["meta_info"]["kvx"][-1].get("child"), got["meta_info"]
     fallen = graphs.stats()["op_fallbacks"]
-    assert fallen["window_attention"]["impl"] == "raising" and fallen["window_attention"]["where"] == "forward"
-    assert "injected kernel failure" in fallen["window_attention"]["error"]
-    assert send(graphs, body(prompt, 4))[0] == 200  # still serving
+    assert fallen["prefix_attention"]["impl"] == "raising" and fallen["prefix_attention"]["where"] == "forward"
+    assert "injected kernel failure" in fallen["prefix_attention"]["error"]
+    assert send(graphs, body(context, 4))[0] == 200  # still serving
     log = Path(graphs.log_path).read_text()
-    assert log.count("op window_attention: the raising implementation failed") == 1
+    assert log.count("op prefix_attention: the raising implementation failed") == 1
 
 
 # --- a recording that missed layers ---------------------------------------------------------------

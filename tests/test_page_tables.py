@@ -49,12 +49,48 @@ def test_tables_list_each_rows_cells_share_equal_layers_and_copy_host_values_onc
     assert third.lens.tolist() == third.lens_host
 
 
-def test_per_head_layers_and_foreign_cells_without_a_space_stay_masked():
+def test_per_head_layers_in_an_extend_and_foreign_cells_without_a_space_stay_masked():
+    _, space = arena()
     req_to_token = torch.arange(32, dtype=torch.int32).reshape(2, 16)
     per_head = PrefixCells(num_slots=4, own=2, head_own=(2, 3), head_borrowed=((), ()))
     foreign = PrefixCells(num_slots=4, own=2, borrowed=((7, torch.tensor([1])),))
     reads = build_batch_reads([{0: per_head}, {0: foreign}], [5, 6], [0], [8], None, req_to_token, None)
     assert reads.tables == [None, None] and reads.masked == [{0: per_head}, {0: foreign}]
+    reads = build_batch_reads([{0: per_head}], [10], [0], [8], [4], req_to_token, space)  # an extend
+    assert reads.tables == [None] and reads.masked == [{0: per_head}]
+
+
+def test_per_head_cells_in_decode_are_one_list_per_row_and_kv_head_and_attention_through_it_is_exact():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    whole, space = arena()
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    # Row 0 (pool row 1): head 0 keeps 3 own ranks and borrows layer 12's head 1 cells 50, 51; head 1 keeps 1
+    # own rank; context of 5 slots, then its tokens. Row 1 (pool row 2) reads its whole row in both heads.
+    per_head = PrefixCells(num_slots=5, own=1, head_own=(3, 1),
+                           head_borrowed=(((12, 1, torch.tensor([50, 51])),), ()))
+    with HostSyncCounter() as counter:
+        reads = build_batch_reads([{0: per_head}], [11], [1, 2], [8, 6], None, req_to_token, space)
+    assert counter.total == 1 and not any(reads.masked)
+    table = reads.tables[0]
+    assert table.heads == HEADS and table.lens_host == [3 + 2 + 3, 1 + 3, 6, 6]
+    queries = torch.randn(2, 2 * HEADS, DIM)  # two query heads per KV head
+    out = torch.empty(2 * HEADS, 2, DIM)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend._run_sdpa_forward_decode(queries.reshape(2 * HEADS, 2, DIM), out, space.keys.reshape(-1, 1, DIM),
+                                     space.values.reshape(-1, 1, DIM), table.cells, torch.arange(4), table.lens,
+                                     scaling=0.5, enable_gqa=True)
+    layer = whole[1]  # layer 11: [2, SLOTS, H, D]
+    reads_by_hand = {  # (batch row, KV head) -> (keys, values)
+        (0, 0): (torch.cat([layer[0, 16:19, 0], whole[2, 0, 50:52, 1], layer[0, 21:24, 0]]),
+                 torch.cat([layer[1, 16:19, 0], whole[2, 1, 50:52, 1], layer[1, 21:24, 0]])),
+        (0, 1): (torch.cat([layer[0, 16:17, 1], layer[0, 21:24, 1]]), torch.cat([layer[1, 16:17, 1], layer[1, 21:24, 1]])),
+        (1, 0): (layer[0, 32:38, 0], layer[1, 32:38, 0]), (1, 1): (layer[0, 32:38, 1], layer[1, 32:38, 1]),
+    }
+    for (row, head), (keys, values) in reads_by_hand.items():
+        query = queries[row, 2 * head : 2 * head + 2]  # [2, D]
+        expected = torch.softmax(query @ keys.T * 0.5, dim=-1) @ values
+        torch.testing.assert_close(out[row * HEADS + head], expected)
 
 
 def test_attention_through_a_table_equals_attention_over_the_cells_gathered_by_hand():

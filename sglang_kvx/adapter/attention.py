@@ -207,15 +207,19 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
         pool = self.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+        q_heads, kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
         if table.space is not None:  # it reads cells of other layers' buffers too
             k_cache, v_cache = table.space.keys, table.space.values
         else:
             k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = q_.new_empty((q_.shape[0], layer.tp_q_head_num, layer.v_head_dim))
-        rows = link_of(self).batch(forward_batch).shared("table_rows", lambda: torch.arange(
+        if table.heads:  # one list per (row, KV head): every cell seen as one head's, each KV head's queries a group
+            k_cache, v_cache = k_cache.reshape(-1, 1, k_cache.shape[-1]), v_cache.reshape(-1, 1, v_cache.shape[-1])
+            q_heads, kv_heads = q_heads // kv_heads, 1
+        q_ = q.reshape(-1, q_heads, layer.qk_head_dim)
+        out = q_.new_empty((q_.shape[0], q_heads, layer.v_head_dim))
+        rows = link_of(self).batch(forward_batch).shared(("table_rows", len(table.lens_host)), lambda: torch.arange(
             len(table.lens_host), device=table.cells.device))
-        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        gqa = q_heads != kv_heads
         if decode:
             self._run_sdpa_forward_decode(q_, out, k_cache, v_cache, table.cells, rows, table.lens,
                                           scaling=layer.scaling, enable_gqa=gqa, causal=False)

@@ -49,7 +49,7 @@ def after_scheduler_init(_result, scheduler, *_args, **_kwargs) -> None:
     runtime.gdn_from_backend = on_cpu_platform() and os.environ.get("SGLANG_KVX_GDN_SIGNALS") != "recompute"
     collector = getattr(scheduler, "metrics_collector", None)  # SGLang's, with --enable-metrics (stats rank)
     link = Link(runtime, metrics=None if collector is None else _metrics(collector.labels))
-    if os.environ.get(COUNT_HOST_SYNCS) == "1":
+    if os.environ.get(COUNT_HOST_SYNCS) in ("1", "where"):
         link.host_syncs = {}
     runner = scheduler.tp_worker.model_runner
     for holder in link_holders(scheduler.req_to_token_pool, runner.model, runner.attn_backend):
@@ -374,7 +374,8 @@ def around_is_disable_overlap_for_batch(original, scheduler, batch, last_batch=N
 
 
 # A diagnostic (issue #56 item 3): each forward counted for what would make a GPU wait for the host,
-# the last of each mode and batch size in /kvx/stats (``host_syncs``). Slows every forward: measuring only.
+# the last of each mode and batch size in /kvx/stats (``host_syncs``; ``=where`` adds each call's line).
+# Slows every forward: measuring only.
 COUNT_HOST_SYNCS = "SGLANG_KVX_COUNT_HOST_SYNCS"
 
 
@@ -384,10 +385,11 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
         return _model_forward(original, model_runner, forward_batch, *args, **kwargs)
     from sglang_kvx.ops.host_syncs import HostSyncCounter
 
-    with HostSyncCounter() as counter:
+    with HostSyncCounter(where=os.environ.get(COUNT_HOST_SYNCS) == "where") as counter:
         output = _model_forward(original, model_runner, forward_batch, *args, **kwargs)
     mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
-    link.host_syncs[f"{mode}[{forward_batch.batch_size}]"] = {"total": counter.total, **counter.counts}
+    link.host_syncs[f"{mode}[{forward_batch.batch_size}]"] = {"total": counter.total, **counter.counts,
+                                                              **({"where": dict(counter.where)} if counter.where else {})}
     return output
 
 
@@ -441,10 +443,11 @@ def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output,
     if whole:  # a new view: what the layers read is planned anew (the rows' spans changed)
         link_of(model_runner.req_to_token_pool).begin(forward_batch, rows)
         return _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
-    sub = decode_sub_batch(forward_batch, which)
+    index = torch.tensor(which, dtype=torch.long, device=forward_batch.input_ids.device)  # the re-run's one copy
+    sub = decode_sub_batch(forward_batch, which, index)
     link_of(model_runner.req_to_token_pool).begin(sub, [rows[i] for i in which])  # its rows, as host ints
     sub_output, sub_outputs = _forward_with_outputs(original, model_runner, sub, wanted, *args, **kwargs)
-    index = torch.tensor(which, dtype=torch.long, device=output.logits_output.next_token_logits.device)
+    index = index.to(output.logits_output.next_token_logits.device)
     output.logits_output.next_token_logits[index] = sub_output.logits_output.next_token_logits
     if outputs is not None and outputs.final_hidden is not None:
         hidden = outputs.final_hidden.clone()

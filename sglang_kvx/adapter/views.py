@@ -363,9 +363,10 @@ _PER_ROW_FIELDS = (
 )
 
 
-def decode_sub_batch(forward_batch: Any, which: list[int]) -> Any:
+def decode_sub_batch(forward_batch: Any, which: list[int], index: torch.Tensor) -> Any:
     """A copy of a decode ``ForwardBatch`` holding only the rows at positions ``which`` (a Full re-run
-    of the rows that chose it); the forward plans its attention metadata afresh."""
+    of the rows that chose it; ``index``: ``which`` on the batch's device, built once by the caller); the
+    forward plans its attention metadata afresh. SGLang's host mirrors (``*_cpu``) are cut on the host."""
     import copy
 
     size = forward_batch.batch_size
@@ -375,14 +376,14 @@ def decode_sub_batch(forward_batch: Any, which: list[int]) -> Any:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape[0] != size:
                 raise NotImplementedError(f"decode sub-batch: field {name} has {value.shape[0]} entries for {size} rows")
-            setattr(sub, name, value.index_select(0, torch.tensor(which, dtype=torch.long, device=value.device)))
+            setattr(sub, name, value[which] if name.endswith("_cpu") else value.index_select(0, index))
         elif isinstance(value, list):
             setattr(sub, name, [value[i] for i in which])
     for name in ("mrope_positions", "spec_info", "global_num_tokens_cpu"):
         if getattr(forward_batch, name, None) is not None:
             raise NotImplementedError(f"decode sub-batch: {name} is set (not handled)")
     sub.batch_size = len(which)
-    sub.seq_lens_sum = int(sub.seq_lens_cpu.sum()) if sub.seq_lens_cpu is not None else int(sub.seq_lens.sum())
+    sub.seq_lens_sum = sum(host_values(sub.seq_lens_cpu)) if sub.seq_lens_cpu is not None else int(sub.seq_lens.sum())
     for name in ("global_num_token_non_padded", "num_token_non_padded"):  # MoE masks padded rows by it
         if getattr(sub, name, None) is not None:
             setattr(sub, name, torch.tensor(len(which), dtype=torch.int32, device=sub.input_ids.device))

@@ -26,6 +26,7 @@ import torch
 
 from sglang_kvx.decode.base import FULL, DecodeStep, Span, StepUnavailable, register_decode_step
 from sglang_kvx.decode.row_state import FINAL_HIDDEN, INPUT_EMBEDDINGS, ForwardOutputs, RowState
+from sglang_kvx.ops.host_syncs import host_values
 
 
 class RoutedRow(RowState):
@@ -53,10 +54,14 @@ class RoutedRow(RowState):
         scores: list = [None] * len(states)
         if head is None or outputs is None or not scored:
             return scores
-        local = outputs.final_hidden
-        at = torch.tensor([index[k] for k in scored], device=local.device)
+        local, embeddings = outputs.final_hidden, outputs.input_embeddings
+        positions = [index[k] for k in scored]
+        if positions != list(range(local.shape[0])):  # some rows of the batch are not scored: gather the others
+            at = torch.tensor(positions, device=local.device)
+            local, embeddings = local[at], embeddings[at]
         prev = torch.stack([states[k].prev_hidden for k in scored]).to(local.device)
-        for k, score in zip(scored, head(prev, outputs.input_embeddings[at], local[at]).float().cpu().tolist()):
+        # The step's one read back: the host decides which rows re-run.
+        for k, score in zip(scored, host_values(head(prev, embeddings, local).float().cpu())):
             scores[k] = score
         return scores
 

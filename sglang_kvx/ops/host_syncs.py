@@ -12,6 +12,7 @@ batch against a plain batch of the same size to read off one's own).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 
 import torch
@@ -36,9 +37,11 @@ def _is_bool_mask(index) -> bool:
 class HostSyncCounter(TorchFunctionMode):
     """``with HostSyncCounter() as counter: ...``; ``counter.counts`` by kind, ``counter.total``."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        # With ``where``: also by the calling line outside torch (``kind@path:line``), to find each one.
+        self.where: Counter[str] | None = Counter() if where else None
 
     @property
     def total(self) -> int:
@@ -54,7 +57,25 @@ class HostSyncCounter(TorchFunctionMode):
             kind = "bool_index"
         if kind is not None:
             self.counts[kind] += 1
+            if self.where is not None:
+                self.where[f"{kind}@{_caller()}"] += 1
         return func(*args, **kwargs)
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module, as ``path:line`` from ``site-packages`` or the
+    package folder on."""
+    frame = sys._getframe(2)
+    while frame is not None and ("/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    for anchor in ("site-packages/", "/sglang_kvx/"):
+        if anchor in path:
+            path = path.split(anchor, 1)[1] if anchor == "site-packages/" else "sglang_kvx/" + path.split(anchor, 1)[1]
+            break
+    return f"{path}:{frame.f_lineno}"
 
 
 def host_values(tensor: torch.Tensor) -> list:
