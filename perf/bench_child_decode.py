@@ -1,12 +1,13 @@
 """A compacted child's decode step against a plain row holding as many KV entries (issue #56 item 6).
 
-    OMP_NUM_THREADS=1 python perf/bench_child_decode.py [--context 4096] [--rows 8] [--new-tokens 32]
+    OMP_NUM_THREADS=1 python perf/bench_child_decode.py [--context 4096] [--rows 8] [--new-tokens 128]
         [--repeats 2] [--models tiny-llama,tiny-hybrid-deep]
 
 Per model one real server; per kind ``--rows`` requests at once (one decode batch), each streamed:
-its decode seconds per step are the time between its first and last streamed token over the steps
-between them, the batch's figure the median over its rows, the kind's the smallest over
-``--repeats`` rounds (kinds interleaved within a round). Kinds, on tiny-llama (KeyDiff, p = 0.5):
+its decode seconds per step are measured over the stretch in which every row of the batch decodes
+(after the last row's first token, before the first row's last: no row's prefill runs beside them),
+as the stretch's length over the steps the row took in it; the batch's figure the median over its
+rows, the kind's the smallest over ``--repeats`` rounds (kinds interleaved within a round). Kinds, on tiny-llama (KeyDiff, p = 0.5):
 ``flat``, ``pyramidkv`` and ``global`` children of one ``--context``-token parent compacted with
 that allocation (S = p x context slots), and ``streamingllm`` rows (a ``--context``-token prompt
 decoded under 4 sinks and a window of a quarter of it, 1,024 tokens at 4K); on tiny-hybrid-deep (GateSight, p = 0.2): ``gate``
@@ -27,10 +28,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import json
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bench_oda import decode_seconds_per_step, prompt  # perf/ is on the path when run as a script
+import requests
+from bench_oda import prompt  # perf/ is on the path when run as a script
 
 from sglang_kvx.serve.launcher import ServerProcess
 
@@ -45,10 +48,30 @@ MODELS = {
 }
 
 
+def stream_stamps(url: str, body: dict) -> list[tuple[float, int]]:
+    """Stream the request: (time, tokens generated so far) at each streamed chunk."""
+    stamps = []
+    with requests.post(url + "/generate", json={**body, "stream": True}, timeout=3600, stream=True) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith(b"data:") and line.strip() != b"data: [DONE]":
+                stamps.append((time.perf_counter(), json.loads(line[5:])["meta_info"]["completion_tokens"]))
+    return stamps
+
+
 def batch_step(server: ServerProcess, bodies: list[dict]) -> float:
-    """The median over the rows of their decode seconds per step, all sent at once."""
+    """Decode seconds per step of the rows sent at once, over the stretch in which every row decodes (no
+    row's prefill runs beside them): the stretch's length over the steps a row took in it, the median
+    over the rows."""
     with ThreadPoolExecutor(len(bodies)) as pool:
-        steps = [s for s, _ in pool.map(lambda body: decode_seconds_per_step(server.url, body), bodies)]
+        rows = list(pool.map(lambda body: stream_stamps(server.url, body), bodies))
+    start, end = max(stamps[0][0] for stamps in rows), min(stamps[-1][0] for stamps in rows)
+    steps = []
+    for stamps in rows:
+        inside = [(t, n) for t, n in stamps if start <= t <= end]
+        if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+            raise RuntimeError("the rows never decoded together: raise --new-tokens")
+        steps.append((inside[-1][0] - inside[0][0]) / (inside[-1][1] - inside[0][1]))
     return statistics.median(steps)
 
 
@@ -81,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=4096, help="tokens of the compacted context (default: 4096)")
     parser.add_argument("--rows", type=int, default=8, help="rows decoding as one batch (default: 8)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens each row generates (default: 32)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens each row generates (default: 128)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over the kinds (default: 2)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated (default: {','.join(MODELS)})")
     args = parser.parse_args()

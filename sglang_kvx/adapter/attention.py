@@ -1,20 +1,21 @@
-"""Per-layer lengths of compacted prefixes, for any SGLang full-attention backend.
+"""Per-layer reads of compacted prefixes and decode-step spans, for any SGLang full-attention backend.
 
-A compacted context holds S rank slots at the start of a child's row. With per-layer
-budgets (PyramidKV, gate-proportional) layer l keeps K_l entries: the first
-min(K_l, S) in its own buffer and, when K_l > S, the rest in cells another layer
-leaves empty (``compact/layout.py``). SGLang's backends read every slot of a
-request's row in every layer, and their metadata (FlashInfer plans, Triton indptrs)
-is built once per forward for all layers, so they can neither skip ranks nor read
-another layer's buffer in one layer only.
+A compacted context holds S rank slots at the start of a child's row. With per-layer budgets
+(PyramidKV, gate-proportional) layer l keeps K_l entries: the first min(K_l, S) in its own buffer
+and, when K_l > S, the rest in cells another layer leaves empty (``compact/layout.py``); per-head
+budgets differ per KV head too; a decode step's span reads sinks and a window of a row. SGLang's
+backends read every slot of a request's row in every layer.
 
-``per_layer_lengths_class`` derives, from any backend class, a subclass in which a
-layer where some row of the batch reads such a prefix runs through
-``masked_attention`` (plain torch, on whatever device the pool lives), and every
-other layer and batch through the backend unchanged. ``with_per_layer_lengths``
-switches a built instance to it (SGLang's isinstance checks still hold); the
-plugin applies it to every full-attention backend SGLang builds. Batches with such
-rows must run eagerly: the plugin keeps them off captured graphs.
+``per_layer_lengths_class`` derives, from any backend class, a subclass that plans, once per forward
+batch in ``init_forward_metadata``, what each layer's rows read: page tables (``serve/page_tables.py``;
+cells of other layers through the pool's one allocation, ``cell_space.py``). A backend whose own
+kernel reads a page table (``ReadsPageTables``: ``kvx_torch_native``, the CPU default) serves them
+there; every other backend (FlashInfer, Triton, FA3 on CUDA, for now), and layers a table cannot say
+(a per-head context's extend, a scaled cache), run those rows through ``masked_attention`` (plain
+torch or the kernel layer's ops, on whatever device the pool lives); every other layer and batch runs
+through the backend unchanged. ``with_per_layer_lengths`` switches a built instance to it (SGLang's
+isinstance checks still hold); the plugin applies it to every full-attention backend SGLang builds.
+Batches with such rows run eagerly: the plugin keeps them off captured graphs.
 
 The same subclass serves ``--kvx-sparse-attention``: every layer of every batch then runs
 ``sparse_attention`` (the kernel layer's block-sparse ops), eagerly as well.
