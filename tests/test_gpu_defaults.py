@@ -43,17 +43,17 @@ from test_compaction_e2e import GREEDY, served_keep_set, text
 ROOT = Path(__file__).resolve().parents[1]
 EMULATE = {"SGLANG_KVX_EMULATE_GRAPHS": "1"}
 OVERLAP = {"SGLANG_KVX_CPU_OVERLAP": "1"}
-RAISING = {"SGLANG_KVX_OPS_IMPL": "prefix_attention=raising"}  # tests/throwaway_raising_op.py's kernel
+RAISING = {"SGLANG_KVX_OPS_IMPL": "state_snapshot=raising"}  # tests/throwaway_raising_op.py's kernel
 
 
 def gpu_defaults_spec(base, dense: bool):
     """The compacting server's launch, with SGLang's GPU defaults: graphs (emulated) with a breakable prefill
-    graph, and on the dense model the overlap scheduler (a hybrid's GDN caching pairs it with overlap off)
-    and a window-attention kernel that fails inside forwards."""
+    graph, and on the dense model the overlap scheduler (a hybrid's GDN caching pairs it with overlap off);
+    on the hybrid a state-snapshot kernel that fails inside forwards."""
     args = list(base.args)
     modules = args.index("--kvx-policy-modules") + 1
     args[modules] += ",throwaway_raising_op"
-    env = {**dict(base.env), **EMULATE, **((OVERLAP | RAISING) if dense else {})}
+    env = {**dict(base.env), **EMULATE, **(OVERLAP if dense else RAISING)}
     return spec(base.model_path, *args, "--cuda-graph-backend-prefill", "breakable", max_total_tokens=base.max_total_tokens,
                 env=env)
 
@@ -372,28 +372,23 @@ def test_a_kernel_failing_its_start_up_check_is_replaced_by_its_reference(monkey
 
 @pytest.mark.slow
 def test_a_kernel_failing_inside_a_forward_falls_back_and_the_request_is_answered(gpu_defaults, references):
-    """The dense GPU-defaults server runs ``tests/throwaway_raising_op.py``'s prefix attention, which passes
-    its start-up check and raises on the server's pool: a child of a per-head (``global``) context, whose
-    question's extend reads the context through that op, is answered as on the compacting server, the
-    scheduler lives on, the failure is counted and logged once."""
-    graphs, eager = gpu_defaults("tiny-llama")
-    ref = references["tiny-llama"]
-    context, question = ref.encode(text(300, seed=93)), ref.encode(text(12, seed=94))
-    per_head = {"allocation": "global"}
-    answers = []
-    for server in (graphs, eager):
-        server.flush()
-        assert send(server, body(context, 0, **per_head))[0] == 200
-        answers.append(send(server, body(context + question, 8, **per_head)))
-    (got_status, got), (want_status, want) = answers
-    assert got_status == want_status == 200, answers
-    assert got["output_ids"] == want["output_ids"] and got["meta_info"]["kvx"][-1].get("child"), got["meta_info"]
+    """The hybrid GPU-defaults server runs ``tests/throwaway_raising_op.py``'s state snapshot, which passes
+    its start-up check and raises on the server's states: On-Demand Attention rows re-running every step
+    Full (each re-run snapshots and restores the recurrent states inside the forward) are answered as plain
+    greedy decoding on the eager server, the scheduler lives on, the failure is counted and logged once."""
+    graphs, eager = gpu_defaults("tiny-hybrid-deep")
+    ref = references["tiny-hybrid-deep"]
+    prompt = ref.encode(text(60, seed=93))
+    oda = {"decode": {"step": "oda", "sinks": 2, "window": 16, "theta": -1e6}}
+    got, want = send(graphs, body(prompt, 8, **oda)), send(eager, body(prompt, 8))
+    assert got[0] == want[0] == 200, (got, want)
+    assert got[1]["output_ids"] == want[1]["output_ids"] and got[1]["meta_info"]["kvx"][-1]["full_rate"] == 1.0
     fallen = graphs.stats()["op_fallbacks"]
-    assert fallen["prefix_attention"]["impl"] == "raising" and fallen["prefix_attention"]["where"] == "forward"
-    assert "injected kernel failure" in fallen["prefix_attention"]["error"]
-    assert send(graphs, body(context, 4))[0] == 200  # still serving
+    assert fallen["state_snapshot"]["impl"] == "raising" and fallen["state_snapshot"]["where"] == "forward"
+    assert "injected kernel failure" in fallen["state_snapshot"]["error"]
+    assert send(graphs, body(prompt, 4))[0] == 200  # still serving
     log = Path(graphs.log_path).read_text()
-    assert log.count("op prefix_attention: the raising implementation failed") == 1
+    assert log.count("op state_snapshot: the raising implementation failed") == 1
 
 
 # --- a recording that missed layers ---------------------------------------------------------------

@@ -49,15 +49,50 @@ def test_tables_list_each_rows_cells_share_equal_layers_and_copy_host_values_onc
     assert third.lens.tolist() == third.lens_host
 
 
-def test_per_head_layers_in_an_extend_and_foreign_cells_without_a_space_stay_masked():
-    _, space = arena()
+def test_per_head_layers_and_foreign_cells_without_a_cell_space_stay_masked():
     req_to_token = torch.arange(32, dtype=torch.int32).reshape(2, 16)
     per_head = PrefixCells(num_slots=4, own=2, head_own=(2, 3), head_borrowed=((), ()))
     foreign = PrefixCells(num_slots=4, own=2, borrowed=((7, torch.tensor([1])),))
     reads = build_batch_reads([{0: per_head}, {0: foreign}], [5, 6], [0], [8], None, req_to_token, None)
     assert reads.tables == [None, None] and reads.masked == [{0: per_head}, {0: foreign}]
-    reads = build_batch_reads([{0: per_head}], [10], [0], [8], [4], req_to_token, space)  # an extend
-    assert reads.tables == [None] and reads.masked == [{0: per_head}]
+
+
+def test_a_per_head_extend_reads_its_queries_head_major_and_attends_exactly():
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    whole, space = arena()
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    # Batch row 0 (pool row 1): a child's 3 new tokens after a per-head context of 5 slots (head 0 keeps 3
+    # ranks, head 1 keeps 1 and borrows layer 12's head 0 cell 60); batch row 1 (pool row 2): 2 new tokens, plain.
+    per_head = PrefixCells(num_slots=5, own=1, head_own=(3, 1), head_borrowed=((), ((12, 0, torch.tensor([60])),)))
+    q_lens = [3, 2]
+    reads = build_batch_reads([{0: per_head}], [11], [1, 2], [8, 6], q_lens, req_to_token, space)
+    table = reads.tables[0]
+    assert table.heads == HEADS and table.lens_host == [6, 5, 6, 6]
+    assert table.prefix_lens.tolist() == [3, 2, 4, 4] and table.extend_lens.tolist() == [3, 3, 2, 2]
+    queries = torch.randn(5, 2 * HEADS, DIM)  # 5 new tokens, two query heads per KV head
+    per_head_queries = queries.reshape(5 * HEADS, 2, DIM)[table.order]
+    out = torch.empty_like(per_head_queries)
+    backend = TorchNativeAttnBackend.__new__(TorchNativeAttnBackend)
+    backend._run_sdpa_forward_extend(per_head_queries, out, space.keys.reshape(-1, 1, DIM),
+                                     space.values.reshape(-1, 1, DIM), table.cells, torch.arange(4), table.lens,
+                                     table.prefix_lens, table.extend_lens, scaling=0.5, enable_gqa=True, causal=True)
+    out = torch.empty_like(out).index_copy_(0, table.order, out).reshape(5, 2 * HEADS, DIM)
+    layer = whole[1]
+    by_hand = {  # (batch row, KV head) -> (its queries' tokens, keys, values, cells before its new tokens)
+        (0, 0): (slice(0, 3), torch.cat([layer[0, 16:19, 0], layer[0, 21:24, 0]]),
+                 torch.cat([layer[1, 16:19, 0], layer[1, 21:24, 0]]), 3),
+        (0, 1): (slice(0, 3), torch.cat([layer[0, 16:17, 1], whole[2, 0, 60:61, 0], layer[0, 21:24, 1]]),
+                 torch.cat([layer[1, 16:17, 1], whole[2, 1, 60:61, 0], layer[1, 21:24, 1]]), 2),
+        (1, 0): (slice(3, 5), layer[0, 32:38, 0], layer[1, 32:38, 0], 4),
+        (1, 1): (slice(3, 5), layer[0, 32:38, 1], layer[1, 32:38, 1], 4),
+    }
+    for (row, head), (tokens, keys, values, before) in by_hand.items():
+        query = queries[tokens, 2 * head : 2 * head + 2].transpose(0, 1)  # [2 query heads, new tokens, D]
+        visible = torch.ones(query.shape[1], keys.shape[0], dtype=torch.bool).tril(before)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, keys[None].expand(2, -1, -1), values[None].expand(2, -1, -1), attn_mask=visible, scale=0.5)
+        torch.testing.assert_close(out[tokens, 2 * head : 2 * head + 2], expected.transpose(0, 1))
 
 
 def test_per_head_cells_in_decode_are_one_list_per_row_and_kv_head_and_attention_through_it_is_exact():

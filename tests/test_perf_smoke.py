@@ -245,9 +245,8 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
         has(r, "decode_seconds_per_step", "ratio", "masked_attention_calls")
         assert set(r["ratio"]) == {"tiny-llama/flat", "tiny-llama/pyramidkv", "tiny-llama/global", "tiny-llama/streamingllm",
                                    "tiny-hybrid-deep/gate"}
-        # Page tables (issue #56): only a per-head child's question (its extend) still runs masked attention
-        assert {kind: calls for kind, calls in r["masked_attention_calls"].items() if calls} == {
-            "tiny-llama/global": r["masked_attention_calls"]["tiny-llama/global"]}
+        # Page tables (issue #56): no layer of any kind runs masked attention on the torch-native backend
+        assert not any(r["masked_attention_calls"].values()), r["masked_attention_calls"]
 
         r = run("bench_cpu_extend.py", "--cases", "300+1,100+200")
         has(r, "shape", "cases")

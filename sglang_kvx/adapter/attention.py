@@ -11,7 +11,7 @@ batch in ``init_forward_metadata``, what each layer's rows read: page tables (``
 cells of other layers through the pool's one allocation, ``cell_space.py``). A backend whose own
 kernel reads a page table (``ReadsPageTables``: ``kvx_torch_native``, the CPU default) serves them
 there; every other backend (FlashInfer, Triton, FA3 on CUDA, for now), and layers a table cannot say
-(a per-head context's extend, a scaled cache), run those rows through ``masked_attention`` (plain
+(a scaled cache; cells of other layers where the pool has no cell space), run those rows through ``masked_attention`` (plain
 torch or the kernel layer's ops, on whatever device the pool lives); every other layer and batch runs
 through the backend unchanged. ``with_per_layer_lengths`` switches a built instance to it (SGLang's
 isinstance checks still hold); the plugin applies it to every full-attention backend SGLang builds.
@@ -217,6 +217,8 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
             k_cache, v_cache = k_cache.reshape(-1, 1, k_cache.shape[-1]), v_cache.reshape(-1, 1, v_cache.shape[-1])
             q_heads, kv_heads = q_heads // kv_heads, 1
         q_ = q.reshape(-1, q_heads, layer.qk_head_dim)
+        if table.order is not None:  # a per-head extend: its queries (row, KV head)-major, as the table's rows
+            q_ = q_[table.order]
         out = q_.new_empty((q_.shape[0], q_heads, layer.v_head_dim))
         rows = link_of(self).batch(forward_batch).shared(("table_rows", len(table.lens_host)), lambda: torch.arange(
             len(table.lens_host), device=table.cells.device))
@@ -225,9 +227,11 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
             self._run_sdpa_forward_decode(q_, out, k_cache, v_cache, table.cells, rows, table.lens,
                                           scaling=layer.scaling, enable_gqa=gqa, causal=False)
         else:
+            new = table.extend_lens if table.extend_lens is not None else forward_batch.extend_seq_lens
             self._run_sdpa_forward_extend(q_, out, k_cache, v_cache, table.cells, rows, table.lens, table.prefix_lens,
-                                          forward_batch.extend_seq_lens, scaling=layer.scaling, enable_gqa=gqa,
-                                          causal=True)
+                                          new, scaling=layer.scaling, enable_gqa=gqa, causal=True)
+        if table.order is not None:
+            out = torch.empty_like(out).index_copy_(0, table.order, out)  # back to the batch's token order
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,

@@ -13,9 +13,9 @@ A list addresses the layer's own buffer. Cells a layer borrows from other layers
 layouts, ``compact/layout.py``) are addressable only where the pool keeps every layer's cells in
 one allocation (``CellSpace``: an address is a layer's offset plus its slot); without one, such a
 layer stays on the masked path. Per-head budgets (each KV head of a layer reads its own cells) are a
-table too in decode: one list per (row, KV head) over the cell space seen as cells of one head each,
-which any kernel reading one KV head per row serves (its query heads as one group). An extend over a
-per-head context (a child's question) stays masked.
+table too: one list per (row, KV head) over the cell space seen as cells of one head each, which any
+kernel reading one KV head per row serves (its query heads as one group; an extend's queries reordered
+head-major once per batch).
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class LayerTable:
     prefix_lens: torch.Tensor | None  # extend: each row's cells before its new tokens; None in decode
     space: CellSpace | None  # where its addresses point (it borrows other layers' cells); None: the layer's own buffer
     heads: int = 0  # >0: one list per (row, KV head), row-major, over ``space`` seen one head per cell
+    extend_lens: torch.Tensor | None = None  # a per-head extend: each (row, KV head)'s new tokens
+    order: torch.Tensor | None = None  # a per-head extend: ``_head_major_order`` of the batch's queries
 
 
 @dataclass
@@ -76,9 +78,9 @@ def build_batch_reads(masked: list[dict[int, PrefixCells]], layer_ids: list[int]
         if not layer_masked:
             continue
         if any(cells.head_own is not None for cells in layer_masked.values()):
-            # Each KV head reads its own cells: one list per (row, KV head), in decode, over the cell space
-            # seen one head per row. An extend over such a context (the child's question) stays masked.
-            if q_lens is not None or space is None:
+            # Each KV head reads its own cells: one list per (row, KV head), over the cell space seen one
+            # head per cell.
+            if space is None:
                 stay_masked[index] = layer_masked
                 continue
             planned[index] = len(lists)
@@ -102,21 +104,47 @@ def build_batch_reads(masked: list[dict[int, PrefixCells]], layer_ids: list[int]
             shared[key] = planned[index]
     if not lists:
         return BatchReads([None] * len(masked), stay_masked)
-    counts = [[int(cells.numel()) for cells in row_lists] for row_lists, _, _ in lists]  # host shapes: no device read
-    host = [n for table in counts for n in table]
-    if q_lens is not None:  # per-row tables only (per-head layers stay masked in an extend)
-        host += [n - q for table in counts for n, q in zip(table, q_lens)]
+    # Every table's counts, then (extend) its cells before the new tokens, then (a per-head extend) each
+    # (row, KV head)'s new tokens: host values, gathered for the batch's one host-to-device copy.
+    host: list[int] = []
+    spans = []
+    for row_lists, _, heads in lists:
+        lens_host = [int(cells.numel()) for cells in row_lists]  # host shapes: no device read
+        new = None if q_lens is None else [q for q in q_lens for _ in range(max(heads, 1))]
+        parts = [lens_host] + ([] if new is None else [[n - q for n, q in zip(lens_host, new)]]) + (
+            [new] if new is not None and heads else [])
+        spans.append((lens_host, [_append(host, part) for part in parts]))
     on_device = torch.tensor(host, dtype=torch.long).to(req_to_token.device)  # the batch's one host-to-device copy
-    made, at, prefix_at = [], 0, sum(len(table) for table in counts)  # counts first, then (extend) prefixes
-    for (row_lists, table_space, heads), lens_host in zip(lists, counts):
-        prefix = None
-        if q_lens is not None:
-            prefix = on_device[prefix_at : prefix_at + len(lens_host)]
-            prefix_at += len(lens_host)
-        made.append(LayerTable(torch.nn.utils.rnn.pad_sequence(row_lists, batch_first=True),
-                               on_device[at : at + len(lens_host)], lens_host, prefix, table_space, heads))
-        at += len(lens_host)
+    orders: dict[int, torch.Tensor] = {}
+    made = []
+    for (row_lists, table_space, heads), (lens_host, parts) in zip(lists, spans):
+        pieces = [on_device[a:b] for a, b in parts]
+        order = None
+        if heads and q_lens is not None:
+            if heads not in orders:
+                orders[heads] = _head_major_order(q_lens, heads, req_to_token.device)
+            order = orders[heads]
+        made.append(LayerTable(torch.nn.utils.rnn.pad_sequence(row_lists, batch_first=True), pieces[0], lens_host,
+                               pieces[1] if len(pieces) > 1 else None, table_space, heads,
+                               pieces[2] if len(pieces) > 2 else None, order))
     return BatchReads([made[p] if p is not None else None for p in planned], stay_masked)
+
+
+def _append(host: list[int], values: list[int]) -> tuple[int, int]:
+    start = len(host)
+    host.extend(values)
+    return start, len(host)
+
+
+def _head_major_order(q_lens: list[int], heads: int, device: torch.device) -> torch.Tensor:
+    """Where each (row, KV head, new token) sits among the extend's queries seen one KV head each
+    (``[tokens * heads, group, D]``, token-major): the order a per-head table's rows read them in."""
+    pieces, start = [], 0
+    for q in q_lens:
+        pieces += [torch.arange(start * heads + head, (start + q) * heads + head, heads, device=device)
+                   for head in range(heads)]
+        start += q
+    return torch.cat(pieces)
 
 
 def _row_lists(layer_masked: dict[int, PrefixCells], layer_id: int, rows: list[int], seq_lens: list[int],
