@@ -194,6 +194,28 @@ def test_on_demand_attention_serves_batches_where_every_row_runs_full_under_grap
     assert grew(before["declines"], after["declines"], STEP_OUTPUTS) >= 11 * 4  # every step of the four, at least
 
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("demo_model", ["tiny-hybrid-deep"], indirect=True)  # run beside the hybrid's servers
+def test_a_kernel_failing_inside_a_forward_falls_back_and_the_request_is_answered(demo_model, gpu_defaults, references):
+    """The hybrid GPU-defaults server runs ``tests/throwaway_raising_op.py``'s state snapshot, which passes
+    its start-up check and raises on the server's states: On-Demand Attention rows re-running every step
+    Full (each re-run snapshots and restores the recurrent states inside the forward) are answered as plain
+    greedy decoding on the eager server, the scheduler lives on, the failure is counted and logged once."""
+    graphs, eager = gpu_defaults(demo_model)
+    ref = references[demo_model]
+    prompt = ref.encode(text(60, seed=93))
+    oda = {"decode": {"step": "oda", "sinks": 2, "window": 16, "theta": -1e6}}
+    got, want = send(graphs, body(prompt, 8, **oda)), send(eager, body(prompt, 8))
+    assert got[0] == want[0] == 200, (got, want)
+    assert got[1]["output_ids"] == want[1]["output_ids"] and got[1]["meta_info"]["kvx"][-1]["full_rate"] == 1.0
+    fallen = graphs.stats()["op_fallbacks"]
+    assert fallen["state_snapshot"]["impl"] == "raising" and fallen["state_snapshot"]["where"] == "forward"
+    assert "injected kernel failure" in fallen["state_snapshot"]["error"]
+    assert send(graphs, body(prompt, 4))[0] == 200  # still serving
+    log = Path(graphs.log_path).read_text()
+    assert log.count("op state_snapshot: the raising implementation failed") == 1
+
 # --- overlap -------------------------------------------------------------------------------------
 
 
@@ -368,27 +390,6 @@ def test_a_kernel_failing_its_start_up_check_is_replaced_by_its_reference(monkey
     assert dispatch.choose("window_attention", None, torch.device("cpu")) == "torch"
     case, _ = CASES["window_attention"](torch.device("cpu"))
     assert torch.equal(case(None), case("torch"))  # auto now answers as the reference
-
-
-@pytest.mark.slow
-def test_a_kernel_failing_inside_a_forward_falls_back_and_the_request_is_answered(gpu_defaults, references):
-    """The hybrid GPU-defaults server runs ``tests/throwaway_raising_op.py``'s state snapshot, which passes
-    its start-up check and raises on the server's states: On-Demand Attention rows re-running every step
-    Full (each re-run snapshots and restores the recurrent states inside the forward) are answered as plain
-    greedy decoding on the eager server, the scheduler lives on, the failure is counted and logged once."""
-    graphs, eager = gpu_defaults("tiny-hybrid-deep")
-    ref = references["tiny-hybrid-deep"]
-    prompt = ref.encode(text(60, seed=93))
-    oda = {"decode": {"step": "oda", "sinks": 2, "window": 16, "theta": -1e6}}
-    got, want = send(graphs, body(prompt, 8, **oda)), send(eager, body(prompt, 8))
-    assert got[0] == want[0] == 200, (got, want)
-    assert got[1]["output_ids"] == want[1]["output_ids"] and got[1]["meta_info"]["kvx"][-1]["full_rate"] == 1.0
-    fallen = graphs.stats()["op_fallbacks"]
-    assert fallen["state_snapshot"]["impl"] == "raising" and fallen["state_snapshot"]["where"] == "forward"
-    assert "injected kernel failure" in fallen["state_snapshot"]["error"]
-    assert send(graphs, body(prompt, 4))[0] == 200  # still serving
-    log = Path(graphs.log_path).read_text()
-    assert log.count("op state_snapshot: the raising implementation failed") == 1
 
 
 # --- a recording that missed layers ---------------------------------------------------------------
