@@ -21,6 +21,7 @@ head-major once per batch).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from sglang_kvx.store import PrefixCells
