@@ -157,3 +157,43 @@ def test_attention_through_a_table_equals_attention_over_the_cells_gathered_by_h
         queries[3:].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=causal, scale=0.5,
         enable_gqa=True).transpose(0, 1)
     torch.testing.assert_close(out[3:], expected)
+
+
+def test_a_graphs_static_tables_list_every_layers_cells_per_row_and_kv_head_with_one_copy():
+    """Item 4: a captured decode graph reads static tables (``GraphTables``) filled before each replay. Every
+    layer's table is one list per (row, KV head), whatever the batch's tables were: a layer with no table
+    (rows read whole), a per-row folded table, a per-head table; each list's keys are gathered by hand."""
+    from sglang_kvx.serve.page_tables import GraphTables
+
+    whole, space = arena()
+    req_to_token = torch.arange(4 * 16, dtype=torch.int32).reshape(4, 16)
+    rows, seq_lens = [1, 3], [8, 6]
+    folded = PrefixCells(num_slots=5, own=3, borrowed=((12, torch.tensor([40, 41])),))
+    per_head = PrefixCells(num_slots=5, own=1, head_own=(3, 1), head_borrowed=(((10, 1, torch.tensor([50])),), ()))
+    graphs = GraphTables([10, 11, 12], rows=4, width=16, space=space)
+    rows_on_device, lens_on_device = torch.tensor(rows), torch.tensor(seq_lens)  # the forward batch's own
+    with HostSyncCounter() as counter:
+        reads = build_batch_reads([{}, {0: folded}, {0: per_head}], [10, 11, 12], rows, seq_lens, None,
+                                  req_to_token, space)
+        graphs.fill(reads, rows_on_device, lens_on_device, seq_lens, req_to_token)
+    assert counter.total == 1, dict(counter.counts)  # the tables' counts; the fill copies on the device only
+    keys = space.keys.reshape(-1, DIM)  # one head per cell
+
+    def expected(layer: int, row: int, head: int) -> torch.Tensor:
+        mine = whole[layer - 10, 0]  # [SLOTS, H, D]
+        slots = req_to_token[rows[row], : seq_lens[row]].long()
+        if row == 1 or layer == 10:
+            return mine[slots, head]
+        if layer == 11:
+            return torch.cat([mine[slots[:3], head], whole[2, 0, 40:42, head], mine[slots[5:], head]])
+        if head == 0:
+            return torch.cat([mine[slots[:3], 0], whole[0, 0, 50:51, 1], mine[slots[5:], 0]])
+        return torch.cat([mine[slots[:1], 1], mine[slots[5:], 1]])
+
+    for index, layer in enumerate([10, 11, 12]):
+        table = graphs.layer_table(index, batch=2)
+        assert table.heads == HEADS and table.space is space and table.cells.shape == (2 * HEADS, 16)
+        for row in range(2):
+            for head in range(HEADS):
+                at = row * HEADS + head
+                torch.testing.assert_close(keys[table.cells[at, : int(table.lens[at])]], expected(layer, row, head))

@@ -7,15 +7,17 @@ budgets differ per KV head too; a decode step's span reads sinks and a window of
 backends read every slot of a request's row in every layer.
 
 ``per_layer_lengths_class`` derives, from any backend class, a subclass that plans, once per forward
-batch in ``init_forward_metadata``, what each layer's rows read: page tables (``serve/page_tables.py``;
-cells of other layers through the pool's one allocation, ``cell_space.py``). A backend whose own
+batch in ``init_forward_metadata``, what each layer's rows read: page tables (``batch_reads.py``,
+``serve/page_tables.py``; cells of other layers through the pool's one allocation, ``cell_space.py``). A backend whose own
 kernel reads a page table (``ReadsPageTables``: ``kvx_torch_native``, the CPU default) serves them
 there; every other backend (FlashInfer, Triton, FA3 on CUDA, for now), and layers a table cannot say
 (a scaled cache; cells of other layers where the pool has no cell space), run those rows through ``masked_attention`` (plain
 torch or the kernel layer's ops, on whatever device the pool lives); every other layer and batch runs
 through the backend unchanged. ``with_per_layer_lengths`` switches a built instance to it (SGLang's
 isinstance checks still hold); the plugin applies it to every full-attention backend SGLang builds.
-Batches with such rows run eagerly: the plugin keeps them off captured graphs.
+In a captured decode graph a page-table reader reads static tables filled before each replay
+(``graph_tables.py``: the graph's page-table variant); on other backends batches with such rows run
+eagerly: the plugin keeps them off captured graphs.
 
 The same subclass serves ``--kvx-sparse-attention``: every layer of every batch then runs
 ``sparse_attention`` (the kernel layer's block-sparse ops), eagerly as well.
@@ -27,13 +29,13 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_kvx.adapter.cell_space import cell_space_of
+from sglang_kvx.adapter.batch_reads import batch_reads_of, masked_rows_of
 from sglang_kvx.adapter.forward import link_of
-from sglang_kvx.adapter.graph_replay import on_capture_path
+from sglang_kvx.adapter.graph_replay import DECODE, on_capture_path, replaying
+from sglang_kvx.adapter.graph_tables import page_table_graphs_of
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
 from sglang_kvx.ops.window_attention import window_attention
-from sglang_kvx.serve.page_tables import BatchReads, LayerTable, build_batch_reads
-from sglang_kvx.store import PrefixCells
+from sglang_kvx.serve.page_tables import LayerTable
 
 
 class PerLayerLengths:
@@ -47,56 +49,6 @@ class ReadsPageTables:
     it defines ``forward_page_table(q, k, v, layer, forward_batch, save_kv_cache, table, decode)``."""
 
     __slots__ = ()
-
-
-def masked_rows_of(backend, layer, forward_batch) -> dict[int, PrefixCells]:
-    """Batch index -> what that row reads of this layer where it differs from its whole row: a compacted
-    prefix's cells, or a decode step's span (sinks and window). Empty for most batches."""
-    link = link_of(backend)  # put on every backend of a compacting scheduler (adapter/forward.py)
-    if link is None or layer.is_cross_attention or not _may_differ(link, forward_batch):
-        return {}
-    index = link.runtime.compactor.layer_index.get(layer.layer_id)
-    return {} if index is None else _layer_masks(link.runtime, index, link.batch(forward_batch))
-
-
-def _may_differ(link, forward_batch) -> bool:
-    runtime = link.runtime
-    if not runtime.admission.rows.row_context and not runtime.decode:
-        return False  # the common case: no running row reads a compacted prefix or runs a decode step
-    # Graphs are captured on dummy rows; batches with such rows never replay one.
-    return not on_capture_path(forward_batch.req_pool_indices)
-
-
-def _layer_masks(runtime, index: int, batch) -> dict[int, PrefixCells]:
-    masked = runtime.admission.rows.masked_rows(index, batch)
-    if runtime.decode and batch.is_decode:
-        # A child running a decode step: its span over this layer's own keys (kept entries, then its tokens).
-        contexts = runtime.admission.rows.child_contexts(index, batch)
-        masked.update(runtime.decode.masked_rows(index, batch.rows, batch.seq_lens, contexts))
-    return masked
-
-
-def batch_reads_of(backend, forward_batch) -> BatchReads | None:
-    """The forward batch's page tables (``serve/page_tables.py``), built once per batch: in the backend's
-    ``init_forward_metadata``, or by the first layer that asks where SGLang planned elsewhere. None
-    when every row reads its whole row in every layer."""
-    link = link_of(backend)
-    if link is None or not _may_differ(link, forward_batch):
-        return None
-    batch = link.batch(forward_batch)
-    return batch.shared("batch_reads", lambda: _build_reads(backend, link.runtime, batch))
-
-
-def _build_reads(backend, runtime, batch) -> BatchReads | None:
-    layer_ids = sorted(runtime.compactor.layer_index, key=runtime.compactor.layer_index.get)
-    masked = [_layer_masks(runtime, index, batch) for index in range(len(layer_ids))]
-    if not any(masked):
-        return None
-    fb = batch.fb
-    q_lens = None if batch.is_decode else list(fb.extend_seq_lens_cpu)
-    reads = build_batch_reads(masked, layer_ids, batch.rows, batch.seq_lens, q_lens,
-                              backend.req_to_token_pool.req_to_token, cell_space_of(backend.token_to_kv_pool, layer_ids))
-    return reads or None
 
 
 def _sparse_budget(backend, layer, forward_batch) -> int:
@@ -123,6 +75,13 @@ def _forward(backend, q, k, v, layer, forward_batch, save_kv_cache, decode: bool
     base = backend._kvx_base.forward_decode if decode else backend._kvx_base.forward_extend
     if not isinstance(backend, ReadsPageTables):  # a backend without a page-table reader: masks per layer
         masked = masked_rows_of(backend, layer, forward_batch)
+    elif on_capture_path(forward_batch.req_pool_indices):  # in a graph: its static tables, or SGLang's own path
+        graphs = page_table_graphs_of(backend) if decode and not layer.is_cross_attention else None
+        table = graphs.layer_table(layer.layer_id, forward_batch) if graphs is not None else None
+        if table is None:
+            return base(backend, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        _check_plain_layer(layer, kwargs, "a page table in a captured graph")
+        return backend.forward_page_table(q, k, v, layer, forward_batch, save_kv_cache, table, decode)
     else:
         reads = None if layer.is_cross_attention else batch_reads_of(backend, forward_batch)
         index = link_of(backend).runtime.compactor.layer_index.get(layer.layer_id) if reads is not None else None
@@ -147,8 +106,26 @@ def _unscaled(layer) -> bool:
 
 def _init_forward_metadata(self, forward_batch) -> None:
     self._kvx_base.init_forward_metadata(self, forward_batch)
-    if isinstance(self, ReadsPageTables):
+    if not isinstance(self, ReadsPageTables):
+        return
+    if replaying() == DECODE:  # the emulation's replay: what SGLang prepares out of the graph before one
+        _prepare_graph_tables(self, forward_batch)
+    else:
         batch_reads_of(self, forward_batch)  # planned here, once per batch, before any layer runs
+
+
+def _init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+    """SGLang's replay preparation (out of the graph, before ``graph.replay()``): the base backend's, then the
+    page-table variant's static tables when the batch replays it (``graph_tables.py``)."""
+    self._kvx_base.init_forward_metadata_out_graph(self, forward_batch, in_capture=in_capture)
+    if not in_capture and isinstance(self, ReadsPageTables):
+        _prepare_graph_tables(self, forward_batch)
+
+
+def _prepare_graph_tables(backend, forward_batch) -> None:
+    graphs = page_table_graphs_of(backend)
+    if graphs is not None and forward_batch.forward_mode.is_decode():
+        graphs.prepare(forward_batch)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -164,7 +141,8 @@ def per_layer_lengths_class(backend_class: type) -> type:
         namespace = {"__module__": __name__, "__slots__": (), "_kvx_base": backend_class,
                      "__doc__": f"{backend_class.__name__} with per-layer lengths of compacted prefixes.",
                      "forward_extend": _forward_extend, "forward_decode": _forward_decode,
-                     "init_forward_metadata": _init_forward_metadata}
+                     "init_forward_metadata": _init_forward_metadata,
+                     "init_forward_metadata_out_graph": _init_forward_metadata_out_graph}
         _SUBCLASSES[backend_class] = type(f"Kvx{backend_class.__name__}", (backend_class, PerLayerLengths), namespace)
     return _SUBCLASSES[backend_class]
 
@@ -173,6 +151,17 @@ def with_per_layer_lengths(backend):
     """Give a built full-attention backend per-layer lengths, in place; returns it."""
     backend.__class__ = per_layer_lengths_class(type(backend))
     return backend
+
+
+def page_table_reader(backend):
+    """The full-attention backend inside ``backend`` whose kernel reads page tables, or None."""
+    if isinstance(backend, ReadsPageTables):
+        return backend
+    for name in ("full_attn_backend", "decode_backend"):
+        inner = getattr(backend, name, None)
+        if inner is not None and (found := page_table_reader(inner)) is not None:
+            return found
+    return None
 
 
 def has_per_layer_lengths(backend) -> bool:
@@ -220,8 +209,9 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
         if table.order is not None:  # a per-head extend: its queries (row, KV head)-major, as the table's rows
             q_ = q_[table.order]
         out = q_.new_empty((q_.shape[0], q_heads, layer.v_head_dim))
-        rows = link_of(self).batch(forward_batch).shared(("table_rows", len(table.lens_host)), lambda: torch.arange(
-            len(table.lens_host), device=table.cells.device))
+        count = table.cells.shape[0]
+        rows = link_of(self).batch(forward_batch).shared(("table_rows", count), lambda: torch.arange(
+            count, device=table.cells.device))
         gqa = q_heads != kv_heads
         if decode:
             self._run_sdpa_forward_decode(q_, out, k_cache, v_cache, table.cells, rows, table.lens,

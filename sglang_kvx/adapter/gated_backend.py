@@ -27,7 +27,8 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_kvx.adapter.attention import PerLayerLengths, masked_rows_of
+from sglang_kvx.adapter.attention import PerLayerLengths
+from sglang_kvx.adapter.batch_reads import masked_rows_of
 from sglang_kvx.adapter.forward import link_of
 from sglang_kvx.compact.gate_fold import read_folded
 from sglang_kvx.ops.gated_attention import FoldedKeys, gated_attention

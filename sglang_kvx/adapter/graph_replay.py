@@ -17,7 +17,9 @@ reproduces:
 - *what runs during a replay*: the model's forward with SGLang's breakable-graph flags set (so its
   layers take their graph paths and call the eager bodies), every hook the plugin registered passing
   straight through and every torch module hook of the model removed; in a decode replay the
-  attention backends take the path they took when capturing on dummy rows (``on_capture_path``);
+  attention backends take the path they took when capturing on dummy rows (``on_capture_path``),
+  under the attention graph variant SGLang's runner selects for the batch (``graph_tables.py``: the
+  page-table variant's static tables are filled first, as SGLang prepares a replay out of the graph);
 - *what capture asks of the backend*: ``init_cuda_graph_state`` at start (torch-native backends
   raise there, as on CUDA; ``kvx_torch_native`` stands in for a capturable backend such as FA3
   here and records nothing).

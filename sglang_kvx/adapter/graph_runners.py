@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 
+from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
 from sglang.srt.model_executor.runner.base_runner import BaseRunner
@@ -19,17 +20,22 @@ from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCuda
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import (
     PrefillCudaGraphRunner, get_prefill_num_tokens_to_capture)
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import enable_breakable_cuda_graph
+from sglang.srt.model_executor.runner_utils.capture_mode import (
+    _set_capture_attention_variant, get_capture_attention_variant)
 from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
 from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
 from sglang.srt.runtime_context import get_exec, get_parallel, get_spec
 
+from sglang_kvx.adapter.attention import page_table_reader
 from sglang_kvx.adapter.graph_replay import DECODE, PREFILL, replay_scope
+from sglang_kvx.adapter.graph_tables import install_page_table_graphs
 
 logger = logging.getLogger(__name__)
 
 
 class EmulatedDecodeGraph(DecodeCudaGraphRunner):
-    """A full decode graph per captured batch size; a replay runs the whole forward with no Python of ours."""
+    """A full decode graph per captured batch size (and attention variant); a replay runs the whole forward with
+    no Python of ours. A backend whose kernel reads page tables gets the page-table variant (``graph_tables.py``)."""
 
     def __init__(self, model_runner) -> None:
         BaseRunner.__init__(self, model_runner)
@@ -52,14 +58,27 @@ class EmulatedDecodeGraph(DecodeCudaGraphRunner):
         self.capture_hidden_mode = self.return_hidden_states_mode
         # SGLang's capture asks the backend for its graph state first (torch-native backends refuse).
         self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_num_token)
+        reader = page_table_reader(self.attn_backend)
+        if reader is not None:
+            layers = [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+            self.attention_graph_variants = install_page_table_graphs(reader, self.max_bs, layers)
         self.replays = 0
+        self.variant_replays: dict[str, int] = {}
         logger.info("sglang_kvx: emulated decode graphs (CPU) for batch sizes %s", self.capture_bs)
 
     def execute(self, forward_batch, pp_proxy_tensors=None):
         self._validate_capture_hidden_mode(forward_batch)  # SGLang's load_batch refuses more hidden states
+        variant = self._resolve_attention_variant(forward_batch, forward_batch.batch_size)  # SGLang's replay asks
         self.replays += 1
-        with replay_scope(DECODE, self.model_runner.model):
-            return self.model_runner.eager_runner.execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
+        if variant is not None:
+            self.variant_replays[variant] = self.variant_replays.get(variant, 0) + 1
+        before = get_capture_attention_variant()
+        _set_capture_attention_variant(variant)  # the label SGLang's capture set while recording this graph
+        try:
+            with replay_scope(DECODE, self.model_runner.model):
+                return self.model_runner.eager_runner.execute(forward_batch, pp_proxy_tensors=pp_proxy_tensors)
+        finally:
+            _set_capture_attention_variant(before)
 
 
 class EmulatedPrefillGraph(PrefillCudaGraphRunner):
@@ -125,9 +144,12 @@ def around_capture_decode_graph(original, *args, model_runner, **kwargs):
 
 
 def graph_replays(model_runner) -> dict[str, int]:
-    """How many batches each emulated runner replayed (absent: none installed)."""
+    """How many batches each emulated runner replayed (absent: none installed), and of them each attention
+    graph variant (``decode[kvx_page_tables]``)."""
     counts = {}
     for kind, runner in ((DECODE, model_runner.decode_cuda_graph_runner), (PREFILL, model_runner.prefill_cuda_graph_runner)):
         if isinstance(runner, (EmulatedDecodeGraph, EmulatedPrefillGraph)):
             counts[kind] = runner.replays
+        for variant, replays in getattr(runner, "variant_replays", {}).items():
+            counts[f"{kind}[{variant}]"] = replays
     return counts

@@ -8,7 +8,10 @@ inside the forward. ``eager_reason`` says which need, for decode and prefill gra
 names no policy or step: each declares what it needs (``KVPolicy.captures``: a recording;
 ``DecodeStep.forward_outputs``, ``reads_attention``, ``reads_attention_inputs``; a step's span, drops
 and per-head cells; a child's per-layer lengths), so a new one needs no edit here. Every other batch --
-plain rows, children of flat contexts, decode steps running Full -- keeps its graph.
+plain rows, children of flat contexts, decode steps running Full -- keeps its graph. Where the decode
+graphs carry page tables (``tables_in_graph``: a backend whose kernel reads them, ``adapter/graph_tables.py``),
+children reading per-layer lengths and decode-step spans keep theirs too: what they read is a table then,
+filled before the replay.
 """
 
 from __future__ import annotations
@@ -27,21 +30,23 @@ STEP_INSIDE = "a decode step reading inside the forward"
 STEP_SPAN = "a decode step hiding part of a row"
 
 
-def eager_reason(runtime: Any, batch: Batch, hidden_captured: bool, hidden_beyond: bool = False) -> str | None:
+def eager_reason(runtime: Any, batch: Batch, hidden_captured: bool, hidden_beyond: bool = False,
+                 tables_in_graph: bool = False) -> str | None:
     """Why ``batch`` must run eagerly (None: it may replay a graph). ``hidden_captured``: the graph captures
-    final hidden states; ``hidden_beyond``: the batch asks for more hidden states than it captured."""
+    final hidden states; ``hidden_beyond``: the batch asks for more hidden states than it captured;
+    ``tables_in_graph``: the graph reads each layer's page table (rows reading other than their whole row)."""
     if runtime.config.sparse_budget:
         return SPARSE  # every layer runs the kernel layer's block-sparse ops, with per-row host planning
     if batch.is_extend and any(row in runtime.recorder.recordings for row in batch.rows):
         return RECORDING  # its signals are taken from inside every layer
-    if runtime.admission.rows.needs_per_layer_lengths(batch):
+    if not tables_in_graph and runtime.admission.rows.needs_per_layer_lengths(batch):
         return PER_LAYER
-    if runtime.decode and (reason := _decode_reason(runtime.decode, batch, hidden_captured)) is not None:
+    if runtime.decode and (reason := _decode_reason(runtime.decode, batch, hidden_captured, tables_in_graph)) is not None:
         return reason
     return HIDDEN if hidden_beyond else None  # asked by someone else (a client's return_hidden_states)
 
 
-def _decode_reason(decode: Any, batch: Batch, hidden_captured: bool) -> str | None:
+def _decode_reason(decode: Any, batch: Batch, hidden_captured: bool, tables_in_graph: bool) -> str | None:
     for row in batch.rows:
         state = decode.rows.get(row)
         if state is None or state.failed:
@@ -51,6 +56,7 @@ def _decode_reason(decode: Any, batch: Batch, hidden_captured: bool) -> str | No
             return STEP_OUTPUTS
         if step.reads_attention or step.reads_attention_inputs:
             return STEP_INSIDE
-        if batch.is_decode and (not state.span.full or any(e > b for b, e in state.dropped) or state.own.masks):
+        if (batch.is_decode and not tables_in_graph
+                and (not state.span.full or any(e > b for b, e in state.dropped) or state.own.masks)):
             return STEP_SPAN
     return None

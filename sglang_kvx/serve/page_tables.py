@@ -41,9 +41,9 @@ class CellSpace:
 class LayerTable:
     """One layer's page table for a forward batch."""
 
-    cells: torch.Tensor  # [batch, width] long: row i reads cells[i, :lens_host[i]]
+    cells: torch.Tensor  # [batch, width] long: row i reads cells[i, :lens[i]]
     lens: torch.Tensor  # [batch] long, on the table's device
-    lens_host: list[int]
+    lens_host: list[int] | None  # the same counts on the host (None: a captured graph's static table)
     prefix_lens: torch.Tensor | None  # extend: each row's cells before its new tokens; None in decode
     space: CellSpace | None  # where its addresses point (it borrows other layers' cells); None: the layer's own buffer
     heads: int = 0  # >0: one list per (row, KV head), row-major, over ``space`` seen one head per cell
@@ -194,3 +194,66 @@ def _head_lists(layer_masked: dict[int, PrefixCells], layer_id: int, rows: list[
             pieces.append(slots[cells.num_slots :] * heads + head)
             lists.append(torch.cat(pieces))
     return lists
+
+
+class GraphTables:
+    """The page tables a captured decode graph reads: static buffers, one table per attention layer, filled
+    before each replay of the graph's page-table variant (a graph replays fixed addresses and shapes, so
+    neither the per-batch tables' sharing between layers nor their per-row or per-head forms can change
+    from one replay to the next). Every table is in the most general form: one list per (row, KV head)
+    over the cell space seen one head per cell, so every layer's kernel call has one shape. Its size is
+    ``layers * rows * heads * width`` addresses (``nbytes``): allocated once, touched only as far as the
+    batches filled reach."""
+
+    def __init__(self, layer_ids: list[int], rows: int, width: int, space: CellSpace) -> None:
+        self.layer_ids, self.space, self.heads, self.width = list(layer_ids), space, space.keys.shape[1], width
+        self.index_of = {layer_id: index for index, layer_id in enumerate(layer_ids)}
+        device = space.keys.device
+        self.cells = torch.empty((len(layer_ids), rows * self.heads, width), dtype=torch.long, device=device)
+        self.lens = torch.empty((len(layer_ids), rows * self.heads), dtype=torch.long, device=device)
+        self._head = torch.arange(self.heads, dtype=torch.long, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cells.nbytes + self.lens.nbytes
+
+    def fill(self, reads: BatchReads | None, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list[int],
+             req_to_token: torch.Tensor) -> None:
+        """Write the batch's tables (``reads``: the batch's ``build_batch_reads``; None where every row reads
+        its whole row) into the static buffers, rows ``[0, len(seq_lens_host) * heads)`` of every layer: a
+        layer without a table reads each row whole. Device copies only; nothing is read back."""
+        batch, heads = len(seq_lens_host), self.heads
+        if batch * heads > self.cells.shape[1]:
+            raise ValueError(f"a batch of {batch} rows in page-table graphs captured for {self.cells.shape[1] // heads}")
+        whole_width = max(seq_lens_host, default=0)
+        whole = req_to_token[rows, :whole_width].to(torch.long) if whole_width else None
+        whole_lens = seq_lens.to(torch.long).repeat_interleave(heads, output_size=batch * heads)
+        for index, layer_id in enumerate(self.layer_ids):
+            table = reads.tables[index] if reads is not None else None
+            if reads is not None and reads.masked[index]:
+                raise ValueError(f"attention layer {layer_id} has rows no page table can say (a pool without a cell space)")
+            if table is None:
+                cells, lens = self._per_head(whole, self.space.offsets[layer_id]), whole_lens
+            elif table.heads:
+                cells, lens = table.cells, table.lens
+            else:  # one list per row, in the layer's own buffer or (it borrows) the cell space
+                offset = 0 if table.space is not None else self.space.offsets[layer_id]
+                cells, lens = self._per_head(table.cells, offset), table.lens.repeat_interleave(
+                    heads, output_size=batch * heads)
+            if cells is None:
+                continue
+            if cells.shape[1] > self.width:
+                raise ValueError(f"a page table of {cells.shape[1]} cells in graphs captured for {self.width}")
+            self.cells[index, : batch * heads, : cells.shape[1]] = cells
+            self.lens[index, : batch * heads] = lens
+
+    def _per_head(self, cells: torch.Tensor | None, offset: int) -> torch.Tensor | None:
+        """Row lists ``[batch, width]`` of slots at ``offset`` in the cell space as (row, KV head) lists."""
+        if cells is None:
+            return None
+        return ((cells + offset)[:, None, :] * self.heads + self._head[None, :, None]).reshape(-1, cells.shape[1])
+
+    def layer_table(self, index: int, batch: int) -> LayerTable:
+        """Attention layer ``index``'s table for a decode batch of ``batch`` rows, as the kernel reads it."""
+        count = batch * self.heads
+        return LayerTable(self.cells[index, :count], self.lens[index, :count], None, None, self.space, self.heads)
