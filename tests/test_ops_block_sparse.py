@@ -286,3 +286,35 @@ def test_triton_kernels_match_the_references_under_the_interpreter() -> None:
     for line in lines:
         name, err = line.split()
         assert float(err) < 1e-5, line
+
+
+def test_a_batch_planned_once_attends_as_planned_per_call_and_reads_nothing_back() -> None:
+    """Issue #56: the block layout is planned once per forward batch (``plan_blocks``, from host lengths) and
+    every layer reading the same rows reuses it; with the plan, a decode step of two rows (one with known
+    compressed keys from an earlier step) computes what the unplanned call computes, with no host sync."""
+    from sglang_kvx.ops.block_sparse import paged_block_sparse_attention, plan_blocks
+    from sglang_kvx.ops.host_syncs import HostSyncCounter
+
+    first, second = random_row(3, n=29, queries=1), random_row(4, n=22, queries=1)
+    k_cache = torch.cat([first["k_cache"], second["k_cache"]])
+    v_cache = torch.cat([first["v_cache"], second["v_cache"]])
+    row_keys = [first["slots"], second["slots"] + first["k_cache"].shape[0]]
+    q = torch.cat([first["q"], second["q"]])
+    known = [compress_blocks(k_cache, row_blocks(row_keys[0])[0])[:5], None]  # row 0: its first 5 blocks built before
+    unplanned, unplanned_keys = paged_block_sparse_attention(q, k_cache, v_cache, row_keys, [1, 1], 3, 1, 0.4,
+                                                             known_block_keys=known)
+    with HostSyncCounter() as counter:
+        plan = plan_blocks(row_keys, [1, 1], q.device)
+        planned, planned_keys = paged_block_sparse_attention(q, k_cache, v_cache, row_keys, [1, 1], 3, 1, 0.4,
+                                                             known_block_keys=known, plan=plan)
+    assert counter.total == 0, dict(counter.counts)
+    assert plan.row_blocks == [8, 6] and plan.spans == ([0, 8], [8, 6])
+    torch.testing.assert_close(planned, unplanned)
+    assert all(torch.equal(a, b) for a, b in zip(planned_keys, unplanned_keys))
+    # The same attention from the ops, the layout built by hand and the spans read from the device
+    (slots0, positions0), (slots1, positions1) = row_blocks(row_keys[0]), row_blocks(row_keys[1])
+    block_keys = compress_blocks(k_cache, torch.cat([slots0, slots1]))
+    chosen = select_blocks(q, block_keys, torch.tensor([0, 8]), torch.tensor([8, 14]), 3, 1, 0.4)
+    by_hand = block_sparse_attention(q, k_cache, v_cache, torch.cat([slots0, slots1]), torch.cat([positions0, positions1]),
+                                     chosen, torch.tensor([28, 21]), 0.4)
+    torch.testing.assert_close(planned, by_hand)

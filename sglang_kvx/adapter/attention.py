@@ -277,8 +277,10 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     """``--kvx-sparse-attention``: every row's queries attend to ``budget`` tokens in four-token
     blocks (``ops/block_sparse.py``: the first block, the query's own and the indexer's best). A
     child of a compacted context reads, in each layer, the entries that layer kept (own ranks,
-    then cells borrowed from other layers' buffers), regrouped into new blocks, then its own tokens."""
-    from sglang_kvx.ops.block_sparse import BLOCK, paged_block_sparse_attention
+    then cells borrowed from other layers' buffers), regrouped into new blocks, then its own tokens:
+    the layer's page table (``batch_reads_of``). Rows are grouped into blocks once per batch for every
+    layer reading the same table (``plan_blocks``); only the indexer's keys and choices are per layer."""
+    from sglang_kvx.ops.block_sparse import plan_blocks
 
     _check_plain_layer(layer, kwargs, "block-sparse attention")
     if any(scale is not None and float(scale) != 1.0 for scale in (layer.k_scale, layer.v_scale)):
@@ -286,11 +288,37 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
     pool = backend.token_to_kv_pool
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
-    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
     link = link_of(backend)
     runtime, batch = link.runtime, link.batch(forward_batch)
     index = runtime.compactor.layer_index.get(layer.layer_id)
-    masked = runtime.admission.rows.masked_rows(index, batch) if index is not None and runtime.admission.rows.row_context else {}
+    reads = batch_reads_of(backend, forward_batch) if index is not None else None
+    table = reads.tables[index] if reads is not None else None
+    if reads is not None and reads.masked[index]:
+        return _sparse_attention_masked(backend, q, layer, forward_batch, budget, decode, reads.masked[index])
+    if table is not None and table.heads:  # refused at the door (settings): never here
+        raise NotImplementedError("block-sparse attention over a context compacted with per-head budgets")
+    if table is not None and table.space is not None:  # it reads cells of other layers' buffers too
+        k_cache, v_cache = table.space.keys, table.space.values
+    else:
+        k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    q_lens = [1] * len(batch.rows) if decode else list(forward_batch.extend_seq_lens_cpu)
+    if table is None:  # every row reads its whole row: one plan for every such layer of the batch
+        row_keys = batch.shared("sparse_whole_rows", lambda: [
+            backend.req_to_token_pool.req_to_token[row, :seq_len].long() for row, seq_len in zip(batch.rows, batch.seq_lens)])
+    else:
+        row_keys = batch.shared(("sparse_rows", id(table)), lambda: [
+            table.cells[i, :n] for i, n in enumerate(table.lens_host)])
+    plan = batch.shared(("sparse_plan", id(table)), lambda: plan_blocks(row_keys, q_lens, q.device))
+    return _sparse_rows(link, batch, q, layer, k_cache, v_cache, row_keys, q_lens, budget, plan=plan)
+
+
+def _sparse_attention_masked(backend, q, layer, forward_batch, budget: int, decode: bool, masked) -> torch.Tensor:
+    """Block-sparse attention where the layer's page table cannot say what its rows read (cells of other
+    layers in a pool without a cell space): the borrowed cells gathered per layer as extra keys."""
+    pool = backend.token_to_kv_pool
+    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    link = link_of(backend)
+    batch = link.batch(forward_batch)
     req_to_token = backend.req_to_token_pool.req_to_token
     row_keys, extra_k, extra_v, extra_count = [], [], [], 0
     for i, (row, seq_len) in enumerate(zip(batch.rows, batch.seq_lens)):
@@ -307,13 +335,21 @@ def sparse_attention(backend, q, k, v, layer, forward_batch, save_kv_cache, budg
                 extra_count += at.numel()
             slots = torch.cat(pieces + [slots[cells.num_slots :]])
         row_keys.append(slots)
-    q_lens = [1] * len(row_keys) if decode else forward_batch.extend_seq_lens.tolist()
+    q_lens = [1] * len(row_keys) if decode else list(forward_batch.extend_seq_lens_cpu)
+    return _sparse_rows(link, batch, q, layer, k_cache, v_cache, row_keys, q_lens, budget,
+                        extra=(torch.cat(extra_k), torch.cat(extra_v)) if extra_k else None)
+
+
+def _sparse_rows(link, batch, q, layer, k_cache, v_cache, row_keys, q_lens, budget: int, plan=None, extra=None):
+    """One layer's block-sparse attention over ``row_keys``, its compressed keys kept in the sparse index."""
+    from sglang_kvx.ops.block_sparse import BLOCK, paged_block_sparse_attention
+
     num_heads, head_dim = layer.tp_q_head_num, layer.qk_head_dim
-    sparse_index, layer_key = runtime.sparse_index, layer.layer_id
+    sparse_index, layer_key = link.runtime.sparse_index, layer.layer_id
     out, block_keys = paged_block_sparse_attention(
         q.reshape(-1, num_heads, head_dim), k_cache, v_cache, row_keys, q_lens, budget // BLOCK, 1, layer.scaling,
-        extra_keys=torch.cat(extra_k) if extra_k else None, extra_values=torch.cat(extra_v) if extra_v else None,
-        known_block_keys=[sparse_index.known(row, layer_key) for row in batch.rows], plans=link.kernel_plans)
+        extra_keys=extra[0] if extra else None, extra_values=extra[1] if extra else None,
+        known_block_keys=[sparse_index.known(row, layer_key) for row in batch.rows], plans=link.kernel_plans, plan=plan)
     for row, keys, slots in zip(batch.rows, block_keys, row_keys):
         sparse_index.keep(row, layer_key, keys, slots.numel())
     return out.reshape(-1, num_heads * layer.v_head_dim)

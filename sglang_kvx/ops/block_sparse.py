@@ -36,14 +36,16 @@ Math in float32; outputs in q's dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from sglang_kvx.ops.block_layout import BLOCK
 from sglang_kvx.ops.dispatch import choose, run, where_offered
 from sglang_kvx.ops.flashinfer_plans import DecodePlans, flashinfer_shapes
 
-__all__ = ["BLOCK", "block_sparse_attention", "compress_blocks", "paged_block_sparse_attention", "row_blocks",
-           "select_blocks"]
+__all__ = ["BLOCK", "BlockPlan", "block_sparse_attention", "compress_blocks", "paged_block_sparse_attention",
+           "plan_blocks", "row_blocks", "select_blocks"]
 
 
 def row_blocks(slots: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,19 +113,21 @@ def compress_blocks(k_cache: torch.Tensor, block_slots: torch.Tensor, impl: str 
 
 
 def block_scores_reference(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
-                           block_to: torch.Tensor, scaling: float) -> torch.Tensor:
+                           block_to: torch.Tensor, scaling: float,
+                           spans: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """[N, Hkv, W] the indexer's score of each query's visible blocks ``block_from[n] + w`` (W the
     widest span; -inf past a query's own), summed over each KV head's query group. Queries sharing
     a ``block_from`` (one row's) are scored against that row's blocks in one product; what a query
     may not see is masked once for the batch, so a row costs one product (a decode step's scan
-    grows with the blocks it reads, not with per-row bookkeeping)."""
+    grows with the blocks it reads, not with per-row bookkeeping). ``spans``: ``block_from`` and
+    ``block_to - block_from`` as the caller knows them on the host (else read back from the device)."""
     num_q, num_heads, _ = q.shape
     kv_heads = block_keys.shape[1]
     visible_blocks = block_to - block_from
-    width = int(visible_blocks.max()) if num_q else 0
+    starts, counts = spans if spans is not None else (block_from.tolist(), visible_blocks.tolist())
+    width = max(counts, default=0)
     grouped = q.float().view(num_q, kv_heads, num_heads // kv_heads, -1).sum(2).mul_(scaling)
     scores = torch.empty((num_q, kv_heads, width), dtype=torch.float32, device=q.device)
-    starts, counts = block_from.tolist(), visible_blocks.tolist()
     run = 0
     while run < num_q:  # runs of queries with one block_from
         end, span = run, 0
@@ -158,12 +162,13 @@ def _pick(scores: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor
 
 def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor, block_to: torch.Tensor,
                   budget_blocks: int, sink_blocks: int, scaling: float, impl: str | None = None,
-                  max_span: int | None = None) -> torch.Tensor:
+                  max_span: int | None = None, spans: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     """[N, Hkv, budget_blocks] the blocks each query's KV head attends to (see the module doc). ``max_span``:
-    a bound on ``block_to - block_from`` the caller knows on the host (else read from the device once)."""
+    a bound on ``block_to - block_from`` the caller knows on the host (else read from the device once);
+    ``spans``: ``block_from`` and ``block_to - block_from`` on the host (a ``BlockPlan``'s): nothing is read back."""
     if budget_blocks < sink_blocks + 1:
         raise ValueError(f"budget_blocks must hold the {sink_blocks} sink blocks and the local one, got {budget_blocks}")
-    if bool((block_to <= block_from).any()):
+    if (min(spans[1], default=1) < 1) if spans is not None else bool((block_to <= block_from).any()):
         raise ValueError("every query must see at least its own block")
 
     def triton(*args):
@@ -174,10 +179,11 @@ def select_blocks(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.T
     chosen = []
     num_q = block_from.shape[0]
     if max_span is None:
-        max_span = int((block_to - block_from).max()) if num_q else 0
+        max_span = max(spans[1], default=0) if spans is not None else int((block_to - block_from).max()) if num_q else 0
     for q0, q1 in _score_tiles(num_q, max_span, block_keys.shape[1]):
+        tile = (spans[0][q0:q1], spans[1][q0:q1]) if spans is not None else None
         scores = run("block_select", impl, choose("block_select", impl, q.device), block_scores_reference,
-                     {"triton": triton}, q[q0:q1], block_keys, block_from[q0:q1], block_to[q0:q1], scaling)
+                     {"triton": triton}, q[q0:q1], block_keys, block_from[q0:q1], block_to[q0:q1], scaling, tile)
         chosen.append(_pick(scores, block_from[q0:q1], block_to[q0:q1], budget_blocks, sink_blocks))
     return torch.cat(chosen) if len(chosen) != 1 else chosen[0]
 
@@ -252,47 +258,77 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                block_slots, block_positions, selected, q_positions, scaling, extra_keys, extra_values)
 
 
-def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 row_keys: list[torch.Tensor], q_lens: list[int], budget_blocks: int, sink_blocks: int,
-                                 scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
-                                 extra_values: torch.Tensor | None = None,
-                                 known_block_keys: list[torch.Tensor | None] | None = None,
-                                 plans: DecodePlans | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Block-sparse attention for a batch of rows: row b's keys are the entries ``row_keys[b]``
-    (slots, in order: a plain row's ``req_to_token[row, :seq_len]``; a child's kept entries of the
-    layer, then its own), grouped into blocks of four in that order, its last ``q_lens[b]`` the
-    queries (q [sum q_lens, Hq, D], row after row). ``known_block_keys[b]``: compressed keys of the
-    row's first blocks from an earlier call (their entries unchanged); only the rest are built.
-    Returns the output and each row's compressed keys, all its blocks (the last may be partial).
-    ``impl`` steers each of the three ops that offers it (the others choose their own, as auto)."""
-    slots, positions, block_from, block_to, q_positions, fresh, known = [], [], [], [], [], [], []
+@dataclass(frozen=True)
+class BlockPlan:
+    """Rows' entries grouped into blocks of four, planned once per forward batch for every layer whose rows
+    read the same entries (``plan_blocks``); what the host knows of it stays on the host."""
+
+    block_slots: torch.Tensor  # [NB, 4] the rows' blocks, row after row, -1 padded
+    block_positions: torch.Tensor  # [NB, 4] each entry's position in its row
+    block_from: torch.Tensor  # [N] each query's row's first block
+    block_to: torch.Tensor  # [N] one past the last block each query sees
+    q_positions: torch.Tensor  # [N] each query's position in its row
+    row_blocks: list[int]  # blocks per row
+    spans: tuple[list[int], list[int]]  # ``block_from`` and ``block_to - block_from``, on the host
+
+
+def plan_blocks(row_keys: list[torch.Tensor], q_lens: list[int], device: torch.device) -> BlockPlan:
+    """The block layout of rows whose keys are ``row_keys[b]`` (entries in order) and whose last ``q_lens[b]``
+    are the queries. Lengths are host shapes: nothing is read back."""
+    slots, positions, block_from, block_to, q_positions, blocks_per_row = [], [], [], [], [], []
+    starts, counts = [], []
     offset = 0
-    device = q.device
-    for b, (keys, q_len) in enumerate(zip(row_keys, q_lens)):
+    for keys, q_len in zip(row_keys, q_lens):
         length = keys.numel()
         block_slots, block_positions = row_blocks(keys.to(device))
-        have = known_block_keys[b] if known_block_keys is not None and known_block_keys[b] is not None else None
-        have = have[: block_slots.shape[0]] if have is not None else k_cache.new_empty((0, *k_cache.shape[1:]),
-                                                                                       dtype=torch.float32)
-        known.append(have)
-        fresh.append(block_slots[have.shape[0] :])
         slots.append(block_slots)
         positions.append(block_positions)
         query_positions = torch.arange(length - q_len, length, device=device)
         q_positions.append(query_positions)
         block_from.append(torch.full((q_len,), offset, dtype=torch.long, device=device))
         block_to.append(offset + query_positions // BLOCK + 1)
+        starts += [offset] * q_len
+        counts += [p // BLOCK + 1 for p in range(length - q_len, length)]
+        blocks_per_row.append(block_slots.shape[0])
         offset += block_slots.shape[0]
-    built = compress_blocks(k_cache, torch.cat(fresh), where_offered("block_compress", impl),
-                            extra_keys).split([f.shape[0] for f in fresh])
+    return BlockPlan(torch.cat(slots), torch.cat(positions), torch.cat(block_from), torch.cat(block_to),
+                     torch.cat(q_positions), blocks_per_row, (starts, counts))
+
+
+def paged_block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 row_keys: list[torch.Tensor], q_lens: list[int], budget_blocks: int, sink_blocks: int,
+                                 scaling: float, impl: str | None = None, extra_keys: torch.Tensor | None = None,
+                                 extra_values: torch.Tensor | None = None,
+                                 known_block_keys: list[torch.Tensor | None] | None = None,
+                                 plans: DecodePlans | None = None,
+                                 plan: BlockPlan | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Block-sparse attention for a batch of rows: row b's keys are the entries ``row_keys[b]``
+    (slots, in order: a plain row's ``req_to_token[row, :seq_len]``; a child's kept entries of the
+    layer, then its own), grouped into blocks of four in that order, its last ``q_lens[b]`` the
+    queries (q [sum q_lens, Hq, D], row after row). ``known_block_keys[b]``: compressed keys of the
+    row's first blocks from an earlier call (their entries unchanged); only the rest are built.
+    ``plan``: ``plan_blocks(row_keys, q_lens)`` made once for the batch (else made here).
+    Returns the output and each row's compressed keys, all its blocks (the last may be partial).
+    ``impl`` steers each of the three ops that offers it (the others choose their own, as auto)."""
+    if plan is None:
+        plan = plan_blocks(row_keys, q_lens, q.device)
+    empty = k_cache.new_empty((0, *k_cache.shape[1:]), dtype=torch.float32)
+    known, fresh = [], []
+    for b, blocks in enumerate(plan.row_blocks):
+        have = known_block_keys[b] if known_block_keys is not None and known_block_keys[b] is not None else None
+        have = have[:blocks] if have is not None else empty  # a host shape: no read back
+        known.append(have)
+        fresh.append(blocks - have.shape[0])
+    row_slots = plan.block_slots.split(plan.row_blocks)
+    built = compress_blocks(k_cache, torch.cat([s[s.shape[0] - n:] for s, n in zip(row_slots, fresh)]),
+                            where_offered("block_compress", impl), extra_keys).split(fresh)
     # Kept in the pool's dtype (the index lives as long as its row: half the bytes of float32 on a
     # 16-bit pool), fresh keys rounded the same, so a block scores alike whether built now or before.
     index_dtype = k_cache.dtype if k_cache.dtype.itemsize >= 2 else torch.float32  # not an 8-bit cache's
     per_row = [torch.cat([have.to(index_dtype), new.to(index_dtype)]) for have, new in zip(known, built)]
-    block_slots, block_positions = torch.cat(slots), torch.cat(positions)
-    chosen = select_blocks(q, torch.cat(per_row).float(), torch.cat(block_from), torch.cat(block_to), budget_blocks,
+    chosen = select_blocks(q, torch.cat(per_row).float(), plan.block_from, plan.block_to, budget_blocks,
                            sink_blocks, scaling, where_offered("block_select", impl),
-                           max_span=max((s.shape[0] for s in slots), default=0))  # a query sees its row's blocks at most
-    out = block_sparse_attention(q, k_cache, v_cache, block_slots, block_positions, chosen, torch.cat(q_positions),
+                           max_span=max(plan.row_blocks, default=0), spans=plan.spans)  # a query sees its row's blocks at most
+    out = block_sparse_attention(q, k_cache, v_cache, plan.block_slots, plan.block_positions, chosen, plan.q_positions,
                                  scaling, where_offered("block_sparse_attention", impl), extra_keys, extra_values, plans)
     return out, per_row

@@ -91,12 +91,14 @@ def _scores_kernel(q_ptr, c_ptr, from_ptr, to_ptr, out_ptr, stride_qn, stride_qh
 
 
 def block_scores_triton(q: torch.Tensor, block_keys: torch.Tensor, block_from: torch.Tensor,
-                        block_to: torch.Tensor, scaling: float) -> torch.Tensor:
+                        block_to: torch.Tensor, scaling: float,
+                        spans: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
     num_q, num_heads, head_dim = q.shape
     kv_heads = block_keys.shape[1]
     if q.stride(2) != 1:
         raise ValueError("the Triton block indexer needs a contiguous last dimension in q")
-    width = int((block_to - block_from).max()) if num_q else 0
+    # The widest span: known on the host where the caller planned the batch (``spans``), else read back once.
+    width = max(spans[1], default=0) if spans is not None else int((block_to - block_from).max()) if num_q else 0
     out = torch.empty((num_q, kv_heads, width), dtype=torch.float32, device=q.device)
     if num_q and width:
         keys = block_keys.float().contiguous()
