@@ -71,6 +71,14 @@ class PageTableGraphs:
                             "scaled KV caches" if not self.unscaled else "the pool's layers are not one allocation")
         return self._tables is not None
 
+    def fits(self, forward_batch) -> bool:
+        """Whether the batch's tables fit the static ones (a child's list may outgrow its row: its kept ranks of a
+        layer can outnumber its context's slots); where not, the batch runs eagerly."""
+        if not self.usable():
+            return False
+        reads = planned_reads(self.backend, forward_batch)
+        return reads is None or all(table is None or table.cells.shape[1] <= self._tables.width for table in reads.tables)
+
     def select(self, forward_batch) -> str:
         """The variant ``forward_batch`` replays (SGLang's runner asks before each replay)."""
         return PAGE_TABLES if self.usable() and planned_reads(self.backend, forward_batch) is not None else PLAIN

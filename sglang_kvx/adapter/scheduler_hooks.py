@@ -592,7 +592,7 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     variants = getattr(graph_runner, "attention_graph_variants", None)
     reason = eager_reason(link.runtime, link.batch(forward_batch), hidden_captured=captured != CaptureHiddenMode.NULL,
                           hidden_beyond=asked is not None and captured < asked,
-                          tables_in_graph=isinstance(variants, PageTableGraphs) and variants.usable())
+                          tables_in_graph=isinstance(variants, PageTableGraphs) and variants.fits(forward_batch))
     if reason is None:
         return True
     link.graph_declines[reason] = link.graph_declines.get(reason, 0) + 1

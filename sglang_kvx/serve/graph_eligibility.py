@@ -36,7 +36,7 @@ def eager_reason(runtime: Any, batch: Batch, hidden_captured: bool, hidden_beyon
     final hidden states; ``hidden_beyond``: the batch asks for more hidden states than it captured;
     ``tables_in_graph``: the graph reads each layer's page table (rows reading other than their whole row)."""
     if runtime.config.sparse_budget:
-        return SPARSE  # every layer runs the kernel layer's block-sparse ops, with per-row host planning
+        return SPARSE  # the block-sparse ops: blocks planned per batch, but their shapes (blocks, choices) vary per batch
     if batch.is_extend and any(row in runtime.recorder.recordings for row in batch.rows):
         return RECORDING  # its signals are taken from inside every layer
     if not tables_in_graph and runtime.admission.rows.needs_per_layer_lengths(batch):
