@@ -122,10 +122,22 @@ def test_per_head_cells_in_decode_are_one_list_per_row_and_kv_head_and_attention
         (0, 1): (torch.cat([layer[0, 16:17, 1], layer[0, 21:24, 1]]), torch.cat([layer[1, 16:17, 1], layer[1, 21:24, 1]])),
         (1, 0): (layer[0, 32:38, 0], layer[1, 32:38, 0]), (1, 1): (layer[0, 32:38, 1], layer[1, 32:38, 1]),
     }
+    # The extension's table decode (every row in one SDPA call, padding masked), whole and one row per chunk
+    from sglang_kvx.adapter.attention import KvxTorchNativeAttnBackend
+
+    ours = KvxTorchNativeAttnBackend.__new__(KvxTorchNativeAttnBackend)
+    batched, chunked = torch.empty_like(out), torch.empty_like(out)
+    ours._table_decode(queries.reshape(2 * HEADS, 2, DIM), batched, space.keys.reshape(-1, 1, DIM),
+                       space.values.reshape(-1, 1, DIM), table, 0.5, True)
+    ours.DECODE_GATHER_BYTES = 1  # as a long context would: a chunk of one row
+    ours._table_decode(queries.reshape(2 * HEADS, 2, DIM), chunked, space.keys.reshape(-1, 1, DIM),
+                       space.values.reshape(-1, 1, DIM), table, 0.5, True)
     for (row, head), (keys, values) in reads_by_hand.items():
         query = queries[row, 2 * head : 2 * head + 2]  # [2, D]
         expected = torch.softmax(query @ keys.T * 0.5, dim=-1) @ values
         torch.testing.assert_close(out[row * HEADS + head], expected)
+        torch.testing.assert_close(batched[row * HEADS + head], expected)
+        torch.testing.assert_close(chunked[row * HEADS + head], expected)
 
 
 def test_attention_through_a_table_equals_attention_over_the_cells_gathered_by_hand():

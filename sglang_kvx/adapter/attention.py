@@ -181,7 +181,8 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
     and drops the prefix's rows, so a radix-cache hit costs a whole-row attention on CPU (one new
     token after a cached 32K prompt took 12 minutes in ``perf/bench_oda.py``). Where the new
     tokens are half the row or more, SGLang's causal pass (which skips the masked half) is the
-    cheaper one and runs as it is."""
+    cheaper one and runs as it is. A decode step over a page table attends every table row in one
+    SDPA call (``_table_decode``); plain rows decode by SGLang's loop over rows, unchanged."""
 
     __slots__ = ()
     EXTEND_QUERY_BLOCK = 1024  # queries per masked SDPA call: bounds the [block, keys] mask
@@ -213,7 +214,9 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
         rows = link_of(self).batch(forward_batch).shared(("table_rows", count), lambda: torch.arange(
             count, device=table.cells.device))
         gqa = q_heads != kv_heads
-        if decode:
+        if decode and table.lens_host is not None:
+            self._table_decode(q_, out, k_cache, v_cache, table, layer.scaling, gqa)
+        elif decode:  # a captured graph's static table (its counts on the device only): SGLang's loop over rows
             self._run_sdpa_forward_decode(q_, out, k_cache, v_cache, table.cells, rows, table.lens,
                                           scaling=layer.scaling, enable_gqa=gqa, causal=False)
         else:
@@ -223,6 +226,31 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
         if table.order is not None:
             out = torch.empty_like(out).index_copy_(0, table.order, out)  # back to the batch's token order
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    DECODE_GATHER_BYTES = 64 << 20  # keys and values gathered per SDPA call of a table decode
+
+    def _table_decode(self, query, output, k_cache, v_cache, table: LayerTable, scaling, enable_gqa: bool) -> None:
+        """A decode step over a page table: every table row's cells gathered (padded to the widest row of
+        the chunk, the padding masked) and attended by one SDPA call per chunk of rows, where SGLang's decode
+        loops over rows in Python (a per-head table has a row per row and KV head)."""
+        lens = table.lens_host
+        per_row = 2 * k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size()  # bytes per cell of K and V
+        start = 0
+        while start < len(lens):
+            end, width = start, 0
+            while end < len(lens) and (end == start or max(width, lens[end]) * (end + 1 - start) * per_row
+                                       <= self.DECODE_GATHER_BYTES):
+                width = max(width, lens[end])
+                end += 1
+            cells = table.cells[start:end, :width]
+            keys = k_cache[cells].movedim(1, 2).to(query.dtype)  # [rows, Hkv, width, D]
+            values = v_cache[cells].movedim(1, 2).to(query.dtype)
+            visible = torch.arange(width, device=cells.device)[None, :] < table.lens[start:end, None]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                query[start:end, :, None, :], keys, values, attn_mask=visible[:, None, None, :], scale=scaling,
+                enable_gqa=enable_gqa)
+            output[start:end] = attended.squeeze(2)
+            start = end
 
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
