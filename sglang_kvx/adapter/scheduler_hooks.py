@@ -585,6 +585,8 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
 
     from sglang_kvx.serve.graph_eligibility import eager_reason
 
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
     from sglang_kvx.adapter.graph_tables import PageTableGraphs
 
     captured = getattr(graph_runner, "capture_hidden_mode", CaptureHiddenMode.NULL)
@@ -592,7 +594,8 @@ def around_can_run_graph(original, graph_runner, forward_batch, *args, **kwargs)
     variants = getattr(graph_runner, "attention_graph_variants", None)
     reason = eager_reason(link.runtime, link.batch(forward_batch), hidden_captured=captured != CaptureHiddenMode.NULL,
                           hidden_beyond=asked is not None and captured < asked,
-                          tables_in_graph=isinstance(variants, PageTableGraphs) and variants.fits(forward_batch))
+                          tables_in_graph=isinstance(variants, PageTableGraphs) and variants.fits(forward_batch),
+                          attention_in_replay=getattr(graph_runner, "prefill_backend_name", None) == Backend.BREAKABLE)
     if reason is None:
         return True
     link.graph_declines[reason] = link.graph_declines.get(reason, 0) + 1

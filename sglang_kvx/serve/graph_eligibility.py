@@ -11,7 +11,8 @@ and per-head cells; a child's per-layer lengths), so a new one needs no edit her
 plain rows, children of flat contexts, decode steps running Full -- keeps its graph. Where the decode
 graphs carry page tables (``tables_in_graph``: a backend whose kernel reads them, ``adapter/graph_tables.py``),
 children reading per-layer lengths and decode-step spans keep theirs too: what they read is a table then,
-filled before the replay.
+filled before the replay. A breakable prefill graph runs the attention backend's forward outside its
+captured pieces, so a child's extend (its question) replays one whatever its layers read.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ STEP_SPAN = "a decode step hiding part of a row"
 
 
 def eager_reason(runtime: Any, batch: Batch, hidden_captured: bool, hidden_beyond: bool = False,
-                 tables_in_graph: bool = False) -> str | None:
+                 tables_in_graph: bool = False, attention_in_replay: bool = False) -> str | None:
     """Why ``batch`` must run eagerly (None: it may replay a graph). ``hidden_captured``: the graph captures
     final hidden states; ``hidden_beyond``: the batch asks for more hidden states than it captured;
-    ``tables_in_graph``: the graph reads each layer's page table (rows reading other than their whole row)."""
+    ``tables_in_graph``: the graph reads each layer's page table (rows reading other than their whole row);
+    ``attention_in_replay``: the replay runs the attention backend's forward as Python (a breakable
+    prefill graph), which plans what each row reads as an eager forward does."""
     if runtime.config.sparse_budget:
         return SPARSE  # the block-sparse ops: blocks planned per batch, but their shapes (blocks, choices) vary per batch
     if batch.is_extend and any(row in runtime.recorder.recordings for row in batch.rows):
         return RECORDING  # its signals are taken from inside every layer
-    if not tables_in_graph and runtime.admission.rows.needs_per_layer_lengths(batch):
+    if not (tables_in_graph or attention_in_replay) and runtime.admission.rows.needs_per_layer_lengths(batch):
         return PER_LAYER
     if runtime.decode and (reason := _decode_reason(runtime.decode, batch, hidden_captured, tables_in_graph)) is not None:
         return reason
