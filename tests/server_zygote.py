@@ -211,14 +211,16 @@ def _import_recording_reads() -> list[str]:
     return sorted(read)
 
 
-def _run_launcher(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
-    """In the forked child: become ``python -m sglang.launch_server ARGV`` with ``env``; never returns."""
+def _run_launcher(argv: list[str], env: dict[str, str], log: str, cwd: str, ready: int) -> None:
+    """In the forked child: become ``python -m sglang.launch_server ARGV`` with ``env``; never returns.
+    ``ready``: a pipe's write end, closed once the child leads its own session (see ``main``)."""
     import atexit
     import runpy
 
     code = 1
     try:
         os.setsid()
+        os.close(ready)
         os.chdir(cwd)
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
@@ -265,9 +267,16 @@ def main() -> None:
         if op == "ping":
             answer({})
         elif op == "start":
+            # The pid is answered only once the child leads its own session: a stop right after the start
+            # kills its process group (os.killpg(pid)), which before the child's setsid does not exist yet.
+            wait_end, ready = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _run_launcher(request["argv"], request["env"], request["log"], request["cwd"])
+                os.close(wait_end)
+                _run_launcher(request["argv"], request["env"], request["log"], request["cwd"], ready)
+            os.close(ready)
+            os.read(wait_end, 1)  # end of file: the child closed its end after setsid (or exited)
+            os.close(wait_end)
             answer({"pid": pid})
         elif op == "poll":
             pid = request["pid"]

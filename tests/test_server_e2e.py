@@ -6,7 +6,9 @@ Every comparison is with an independent HF run of the same weights.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,23 @@ def test_a_pooled_servers_launcher_is_forked_from_the_zygote_which_refuses_what_
     for variable, value in (("SGLANG_KVX_EMULATE_GRAPHS", "1"), ("OMP_NUM_THREADS", "2")):
         assert not zygote.fits(command, {**server.env, variable: value}), variable
     assert not zygote.fits(["python", "-c", "pass"], server.env)
+
+
+@pytest.mark.fresh_process
+def test_a_launcher_stopped_right_after_its_start_is_stopped(served, server_pool, tmp_path):
+    """A forked launcher's pid is handed out once it leads its own session, so stopping it at once
+    (``os.killpg``, as ``ServerProcess.stop`` does) reaches it. Before, a stop right after a start could
+    find no such process group, wait 30 s and leave the launcher and its scheduler running."""
+    name, server, _ = served
+    zygote = server_pool.zygote
+    command = server.command()
+    command[command.index("--port") + 1] = "1"  # a port it cannot bind: it ends by itself if not stopped
+    launcher = zygote.launch(command, server.env, tmp_path / "launcher.log")
+    try:
+        assert os.getpgid(launcher.pid) == os.getsid(launcher.pid) == launcher.pid, name
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        assert launcher.wait(timeout=30) != 0
