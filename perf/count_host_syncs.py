@@ -11,7 +11,7 @@ KeyDiff at p = 0.5 with the ``flat``, ``pyramidkv`` (per-layer lengths, borrowed
 ``global`` (per-layer and per-head lengths) allocations; plain rows under the ``streamingllm`` and
 ``span_schedule`` decode steps (4 sinks, a 64-token window; Full every 3rd step); on tiny-hybrid-deep,
 ``plain`` rows, GateSight's ``gate`` children and ``oda`` rows (its shipped recall head, theta 0); under
-``--kvx-sparse-attention 32`` (``tiny-llama/sparse``) plain rows and ``flat`` and ``pyramidkv`` children.
+``--kvx-sparse-attention 32`` (``tiny-llama:sparse``) plain rows and ``flat`` and ``pyramidkv`` children.
 ``--where`` adds each counted call's line (``kind@path:line``), to find them.
 A count includes SGLang's own (the ``plain`` row of the same model); ``over_plain_per_layer`` is the
 extension's share per attention layer. Prints one JSON object, last.
@@ -45,7 +45,7 @@ MODELS = {
         "plain": None, "gate": {"allocation": "gate"}, "oda": {"decode": {"step": "oda", "sinks": 4, "window": 64}}}),
     # Block-sparse attention (32 tokens per query) for every row: plain rows and children of a flat and a
     # per-layer (folded) context; the plain row of tiny-llama above is SGLang's own count.
-    "tiny-llama/sparse": (("--kvx-sparse-attention", "32", "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5"), 4, {
+    "tiny-llama:sparse": (("--kvx-sparse-attention", "32", "--kvx-policy", "keydiff", "--kvx-keep-fraction", "0.5"), 4, {
         "plain": None, "flat": {"allocation": "flat"}, "pyramidkv": {"allocation": "pyramidkv"}}),
 }
 
@@ -88,11 +88,11 @@ def main() -> None:
     result = {"context": args.context, "rows": args.rows, "per_decode_step": {}, "over_plain_per_layer": {}}
     for name in args.models.split(","):
         flags, layers, kinds = MODELS[name]
-        with ServerProcess(ROOT / "weights" / name.split("/")[0], *flags, "--context-length", str(args.context + 64),
+        with ServerProcess(ROOT / "weights" / name.split(":")[0], *flags, "--context-length", str(args.context + 64),
                            max_total_tokens=args.rows * (args.context + 64) + 2 * args.context,
                            env={COUNT_ENV: "where" if args.where else "1"}) as server:
             counts = {kind: count_kind(server, kind, fields, args, seed) for seed, (kind, fields) in enumerate(kinds.items())}
-        plain = result["per_decode_step"].get(f"{name.split('/')[0]}/plain", counts["plain"])["total"]  # SGLang's own
+        plain = result["per_decode_step"].get(f"{name.split(':')[0]}/plain", counts["plain"])["total"]  # SGLang's own
         for kind, counted in counts.items():
             result["per_decode_step"][f"{name}/{kind}"] = counted
             if kind != "plain":
