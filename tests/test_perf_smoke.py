@@ -236,10 +236,14 @@ def test_every_benchmark_runs_at_smoke_size(shared_server, server_pool, tmp_path
             "reprefill_compaction_over_restore", "child_speedup", "host_bytes", "slots")
         assert r["server"]["pool_tokens"] == tiered.stats()["kv_pool_total_tokens"] and row["restore_s"] > 0
 
-        r = run("count_host_syncs.py", "--context", "200", "--rows", "2", "--new-tokens", "4", "--models", "tiny-llama")
+        r = run("count_host_syncs.py", "--context", "200", "--rows", "2", "--new-tokens", "4", "--models",
+                "tiny-llama,tiny-llama:sparse")
         has(r, "per_decode_step", "over_plain_per_layer")
         assert set(r["per_decode_step"]) == {f"tiny-llama/{kind}" for kind in ("plain", "flat", "pyramidkv", "global",
-                                                                               "streamingllm", "span_schedule")}
+                                                                               "streamingllm", "span_schedule")} | {
+            f"tiny-llama:sparse/{kind}" for kind in ("plain", "flat", "pyramidkv")}
+        # Block-sparse rows plan their blocks per batch: no sync of their own (issue #56)
+        assert r["over_plain_per_layer"]["tiny-llama:sparse/flat"] == 0, r["per_decode_step"]
 
         r = run("bench_child_decode.py", "--context", "512", "--rows", "2", "--new-tokens", "24", "--repeats", "1")
         has(r, "decode_seconds_per_step", "ratio", "masked_attention_calls")
