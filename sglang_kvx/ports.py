@@ -79,8 +79,10 @@ class KVPool(Protocol):
         """The recurrent states of request rows (a decode step about to be re-run)."""
         ...
 
-    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None) -> None:
-        """Put back a snapshot of ``rows``: only the rows at positions ``which`` (all when None)."""
+    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None,
+                     index: Any = None) -> None:
+        """Put back a snapshot of ``rows``: only the rows at positions ``which`` (all when None); ``index``:
+        ``which`` already on the device (so that it is copied there once)."""
         ...
 
 

@@ -438,12 +438,13 @@ def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output,
     which = [i for i, row in enumerate(rows) if row in set(again)]
     whole = len(which) == len(rows) or (snapshot is not None and not pool.restores_some_rows)
     runtime.decode.count_rerun(partial=not whole)
+    # A partial re-run's rows on the device: the sub-batch's index and the states' restore share its one copy.
+    index = None if whole else torch.tensor(which, dtype=torch.long, device=forward_batch.input_ids.device)
     if snapshot is not None:
-        pool.restore_rows(rows, snapshot, None if whole else which)
+        pool.restore_rows(rows, snapshot, None if whole else which, index)
     if whole:  # a new view: what the layers read is planned anew (the rows' spans changed)
         link_of(model_runner.req_to_token_pool).begin(forward_batch, rows)
         return _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
-    index = torch.tensor(which, dtype=torch.long, device=forward_batch.input_ids.device)  # the re-run's one copy
     sub = decode_sub_batch(forward_batch, which, index)
     link_of(model_runner.req_to_token_pool).begin(sub, [rows[i] for i in which])  # its rows, as host ints
     sub_output, sub_outputs = _forward_with_outputs(original, model_runner, sub, wanted, *args, **kwargs)

@@ -128,25 +128,30 @@ class SGLangKVPool:
         on the pool's device by the kernel layer's snapshot op."""
         from sglang_kvx.ops.state_snapshot import snapshot_states
 
+        slots = self._state_slots_of_rows(rows)  # kept with the copy: its restore puts it back there
         if self._state_pool._slot_siblings:  # states beside conv / temporal: SGLang's own (host) copy
-            return ("host", self._state_pool.get_cpu_copy(self._state_slots_of_rows(rows)))
-        return ("device", snapshot_states(self._state_tensors(), self._state_slots_of_rows(rows), slot_dim=1))
+            return ("host", self._state_pool.get_cpu_copy(slots), slots)
+        return ("device", snapshot_states(self._state_tensors(), slots, slot_dim=1), slots)
 
-    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None) -> None:
-        """Put back the snapshot of ``rows``; only the rows at positions ``which`` (all when None)."""
+    def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None,
+                     index: torch.Tensor | None = None) -> None:
+        """Put back the snapshot of ``rows``; only the rows at positions ``which`` (all when None; ``index``:
+        ``which`` on the device). Its slots are the snapshot's, bound-checked when it was taken."""
         from sglang_kvx.ops.state_snapshot import restore_states
 
-        where, copy = snapshot
+        where, copy, slots = snapshot
         if which is not None and len(which) < len(rows):
             if where == "host":
                 raise NotImplementedError("restoring some rows of a host-side state snapshot")
-            index = torch.tensor(which, dtype=torch.long, device=copy[0].device)
+            if index is None:
+                index = torch.tensor(which, dtype=torch.long, device=copy[0].device)
+            index = index.to(copy[0].device)
             copy = [c.index_select(1, index) for c in copy]
-            rows = [rows[i] for i in which]
+            slots = slots.index_select(0, index.to(slots.device))
         if where == "host":
-            self._state_pool.load_cpu_copy(copy, self._state_slots_of_rows(rows))
+            self._state_pool.load_cpu_copy(copy, slots)
         else:
-            restore_states(self._state_tensors(), self._state_slots_of_rows(rows), copy, slot_dim=1)
+            restore_states(self._state_tensors(), slots, copy, slot_dim=1, bounds_checked=True)
 
     @property
     def restores_some_rows(self) -> bool:

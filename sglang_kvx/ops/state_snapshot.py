@@ -57,12 +57,13 @@ def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
 
 
 def restore_states(states: Sequence[torch.Tensor], slots: torch.Tensor, snapshot: Sequence[torch.Tensor],
-                   slot_dim: int | Sequence[int] = 0, impl: str | None = None) -> None:
-    """Write ``snapshot`` (from ``snapshot_states`` with the same slots) back into ``states`` in place."""
+                   slot_dim: int | Sequence[int] = 0, impl: str | None = None, bounds_checked: bool = False) -> None:
+    """Write ``snapshot`` (from ``snapshot_states`` with the same slots) back into ``states`` in place.
+    ``bounds_checked``: the slots are (some of) those the snapshot was taken at, checked then: not read back again."""
     dims = _slot_dims(states, slot_dim)
     if len(snapshot) != len(states):
         raise ValueError(f"{len(snapshot)} snapshots for {len(states)} states")
-    indices = _check_slots(slots, states, dims)
+    indices = _check_slots(slots, states, dims, read_bounds=not bounds_checked)
     for state, saved, dim, index in zip(states, snapshot, dims, indices):
         want = list(state.shape)
         want[dim] = index.numel()
@@ -92,16 +93,19 @@ def _slot_dims(states: Sequence[torch.Tensor], slot_dim: int | Sequence[int]) ->
     return out
 
 
-def _check_slots(slots: torch.Tensor, states: Sequence[torch.Tensor], dims: list[int]) -> list[torch.Tensor]:
-    """The slots as int64 on each state's device, once bound-checked against every state."""
+def _check_slots(slots: torch.Tensor, states: Sequence[torch.Tensor], dims: list[int],
+                 read_bounds: bool = True) -> list[torch.Tensor]:
+    """The slots as int64 on each state's device, bound-checked against every state (``read_bounds``)."""
     if slots.dim() != 1:
         raise ValueError(f"slots must be one-dimensional, got shape {tuple(slots.shape)}")
     index = slots.to(torch.long).contiguous()
     # The kernels do not bound-check their loads and stores: refuse a bad slot before launching
-    # (one host sync per call, not one per state).
+    # (one host sync per call -- the least and greatest slot read back together -- not one per state).
     size = min((state.shape[dim] for state, dim in zip(states, dims)), default=0)
-    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= size):
-        raise ValueError(f"slots must lie in [0, {size})")
+    if read_bounds and index.numel():
+        low, high = torch.stack([index.min(), index.max()]).tolist()
+        if low < 0 or high >= size:
+            raise ValueError(f"slots must lie in [0, {size})")
     on_device: dict[torch.device, torch.Tensor] = {}
     for state in states:  # one copy per device, not per state
         if state.device not in on_device:
