@@ -114,10 +114,12 @@ def _init_forward_metadata(self, forward_batch) -> None:
         batch_reads_of(self, forward_batch)  # planned here, once per batch, before any layer runs
 
 
-def _init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-    """SGLang's replay preparation (out of the graph, before ``graph.replay()``): the base backend's, then the
-    page-table variant's static tables when the batch replays it (``graph_tables.py``)."""
-    self._kvx_base.init_forward_metadata_out_graph(self, forward_batch, in_capture=in_capture)
+def _init_forward_metadata_out_graph(self, forward_batch, *args, **kwargs) -> None:
+    """SGLang's replay preparation (out of the graph, before ``graph.replay()``): the base backend's (its own
+    arguments passed through), then the page-table variant's static tables when the batch replays it
+    (``graph_tables.py``); not while capturing (``in_capture``, SGLang's first argument after the batch)."""
+    self._kvx_base.init_forward_metadata_out_graph(self, forward_batch, *args, **kwargs)
+    in_capture = kwargs.get("in_capture", args[0] if args else False)
     if not in_capture and isinstance(self, ReadsPageTables):
         _prepare_graph_tables(self, forward_batch)
 
