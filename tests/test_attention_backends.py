@@ -57,6 +57,26 @@ def test_the_mixin_keeps_the_backend_and_its_class() -> None:
         KvxTorchNativeAttnBackend.__new__(KvxTorchNativeAttnBackend))
 
 
+class _Planned:
+    """A backend whose out-of-graph preparation records how SGLang called it."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False, extra=None):
+        self.calls.append((forward_batch, in_capture, extra))
+
+
+def test_the_out_of_graph_preparation_passes_sglangs_arguments_through() -> None:
+    """SGLang's runners call a backend's replay preparation with ``in_capture`` by name or position (and some
+    backends take more): the subclass hands every argument to the base as given."""
+    backend = with_per_layer_lengths(_Planned())
+    backend.init_forward_metadata_out_graph("fb")
+    backend.init_forward_metadata_out_graph("fb", True)
+    backend.init_forward_metadata_out_graph("fb", in_capture=True, extra=7)
+    assert backend.calls == [("fb", False, None), ("fb", True, None), ("fb", True, 7)]
+
+
 @pytest.mark.parametrize("gqa", (1, 3))
 def test_our_extend_equals_sglangs_whole_row_extend_on_new_queries_only(gqa: int) -> None:
     """Rows with no prefix, a cached prefix and one new token, more new tokens than a query block
