@@ -20,8 +20,8 @@ LINK_ATTR = "_kvx_link"
 class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
-    __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "host_syncs", "masked_attention_calls",
-                 "_batch")
+    __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "host_syncs", "host_sync_forwards",
+                 "masked_attention_calls", "_batch")
 
     def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
@@ -31,6 +31,7 @@ class Link:
         # Under SGLANG_KVX_COUNT_HOST_SYNCS=1: per forward mode and batch size, the last forward's host syncs
         # by kind (ops/host_syncs.py); None otherwise (nothing counted, nothing slowed).
         self.host_syncs: dict[str, dict[str, int]] | None = None
+        self.host_sync_forwards = 0  # forwards counted so far
         # Layer calls that read a compacted prefix or a decode step's span through masked attention instead of
         # the backend's own kernels (issue #56 counts them; /kvx/stats).
         self.masked_attention_calls = 0

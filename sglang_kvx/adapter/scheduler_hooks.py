@@ -388,8 +388,11 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
     with HostSyncCounter(where=os.environ.get(COUNT_HOST_SYNCS) == "where") as counter:
         output = _model_forward(original, model_runner, forward_batch, *args, **kwargs)
     mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
+    # "forward": the forward's number among those counted (a reader tells a fresh record from an old one)
+    link.host_sync_forwards += 1
     link.host_syncs[f"{mode}[{forward_batch.batch_size}]"] = {"total": counter.total, **counter.counts,
-                                                              **({"where": dict(counter.where)} if counter.where else {})}
+                                                              **({"where": dict(counter.where)} if counter.where else {}),
+                                                              "forward": link.host_sync_forwards}
     return output
 
 
