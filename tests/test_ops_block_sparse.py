@@ -266,6 +266,10 @@ def test_triton_kernels_match_the_references_under_the_interpreter() -> None:
         "    chosen = {impl: select_blocks(c['q'], keys['torch'], c['block_from'], c['block_to'], 4, 1, c['scaling'],\n"
         "                                  impl=impl) for impl in ('torch', 'triton')}\n"
         "    print('select', int((chosen['torch'] != chosen['triton']).sum()))\n"
+        "    spans = (c['block_from'].tolist(), (c['block_to'] - c['block_from']).tolist())  # a BlockPlan's host lists\n"
+        "    planned = select_blocks(c['q'], keys['torch'], c['block_from'], c['block_to'], 4, 1, c['scaling'],\n"
+        "                            impl='triton', spans=spans)\n"
+        "    print('select_spans', int((chosen['torch'] != planned).sum()))\n"
         "    out = {impl: block_sparse_attention(c['q'], c['k_cache'], c['v_cache'], c['block_slots'],\n"
         "                                        c['block_positions'], chosen['torch'], c['q_positions'], c['scaling'],\n"
         "                                        impl=impl) for impl in ('torch', 'triton')}\n"
@@ -282,7 +286,7 @@ def test_triton_kernels_match_the_references_under_the_interpreter() -> None:
         "print('attention_extra', float((out['torch'] - out['triton']).abs().max()))\n"
     )
     lines = interpreted_lines(code)
-    assert len(lines) == 8, lines
+    assert len(lines) == 10, lines
     for line in lines:
         name, err = line.split()
         assert float(err) < 1e-5, line
