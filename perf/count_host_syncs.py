@@ -50,8 +50,12 @@ MODELS = {
 }
 
 
-def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed: int) -> dict:
-    """The last decode forward of ``args.rows`` rows of this kind: host syncs by kind of call."""
+def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed: int) -> dict[str, dict]:
+    """The last decode forward of ``args.rows`` rows of this kind: host syncs by kind of call; and, where a
+    forward of the batch re-ran only some of its rows (On-Demand Attention), the last such forward's, as
+    ``<kind> partial re-run``."""
+    partial_key = f"decode[{args.rows}] partial re-run"
+    before = server.stats().get("host_syncs", {}).get(partial_key, {}).get("forward", 0)
     context = prompt(seed, args.context, 500)
     is_child = fields is not None and "allocation" in fields
     if is_child:  # the parent: compacted with this allocation, then its children
@@ -70,11 +74,16 @@ def count_kind(server: ServerProcess, kind: str, fields: dict | None, args, seed
         bodies = [r.json() for r in pool.map(server.generate, requests_)]
     if is_child:
         assert all((b["meta_info"].get("kvx") or [{}])[-1].get("child") for b in bodies), kind
-    counted = server.stats().get("host_syncs", {}).get(f"decode[{args.rows}]")
+    records = server.stats().get("host_syncs", {})
+    counted = records.get(f"decode[{args.rows}]")
     if counted is None:
-        raise RuntimeError(f"{kind}: no decode of {args.rows} rows was counted: {server.stats().get('host_syncs')}")
+        raise RuntimeError(f"{kind}: no decode of {args.rows} rows was counted: {records}")
     server.flush()
-    return {key: value for key, value in counted.items() if key != "forward"}  # the record's number: not a count
+    found = {kind: counted}
+    if records.get(partial_key, {}).get("forward", 0) > before:
+        found[f"{kind} partial re-run"] = records[partial_key]
+    # "forward": the record's number, not a count
+    return {name: {key: value for key, value in record.items() if key != "forward"} for name, record in found.items()}
 
 
 def main() -> None:
@@ -91,7 +100,9 @@ def main() -> None:
         with ServerProcess(ROOT / "weights" / name.split(":")[0], *flags, "--context-length", str(args.context + 64),
                            max_total_tokens=args.rows * (args.context + 64) + 2 * args.context,
                            env={COUNT_ENV: "where" if args.where else "1"}) as server:
-            counts = {kind: count_kind(server, kind, fields, args, seed) for seed, (kind, fields) in enumerate(kinds.items())}
+            counts = {}
+            for seed, (kind, fields) in enumerate(kinds.items()):
+                counts.update(count_kind(server, kind, fields, args, seed))
         plain = result["per_decode_step"].get(f"{name.split(':')[0]}/plain", counts["plain"])["total"]  # SGLang's own
         for kind, counted in counts.items():
             result["per_decode_step"][f"{name}/{kind}"] = counted

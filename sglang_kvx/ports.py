@@ -75,8 +75,9 @@ class KVPool(Protocol):
 
     def restore_state(self, request: "Request", snapshot: Any) -> None: ...
 
-    def snapshot_rows(self, rows: list[int]) -> Any:
-        """The recurrent states of request rows (a decode step about to be re-run)."""
+    def snapshot_rows(self, rows: list[int], rows_on_device: Any = None) -> Any:
+        """The recurrent states of request rows (a decode step about to be re-run); ``rows_on_device``: the
+        same rows as a device tensor where the caller has one (nothing copied from the host)."""
         ...
 
     def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None,

@@ -169,3 +169,18 @@ def test_bad_inputs_and_missing_backends_are_refused(monkeypatch) -> None:
         snapshot_states(states, torch.tensor([1]), slot_dim=1, impl="triton")
     with pytest.raises(RuntimeError, match="cupy"):
         snapshot_states(states, torch.tensor([1]), slot_dim=1, impl="cupy")
+
+
+def test_slots_checked_by_the_device_refuse_a_bad_slot_and_read_nothing_back() -> None:
+    from sglang_kvx.ops.host_syncs import HostSyncCounter
+
+    states, slots = pool_states(0), torch.tensor([3, 7])
+    with HostSyncCounter() as counter:
+        snap = snapshot_states(states, slots, slot_dim=1, bounds="device")
+    assert counter.total == 0, counter.counts
+    assert all(same_bits(s, state.index_select(1, slots)) for s, state in zip(snap, states))  # NaNs in play
+    for bad in ([11], [-1], [2, 11]):  # on CPU the device's assertion raises at once
+        with pytest.raises(RuntimeError, match=r"slots must lie in \[0, 11\)"):
+            snapshot_states(states, torch.tensor(bad), slot_dim=1, bounds="device")
+    with pytest.raises(ValueError, match="bounds"):
+        snapshot_states(states, torch.tensor([1]), slot_dim=1, bounds="none")

@@ -20,6 +20,7 @@ from sglang_kvx.adapter.graph_replay import silent_in_replay
 from sglang_kvx.adapter.cell_space import around_create_kv_buffers  # noqa: F401 (a hook, found by name)
 from sglang_kvx.adapter.views import SGLangKVPool, SGLangRequest, SGLangTensorParallel, decode_sub_batch
 from sglang_kvx.decode.row_state import FINAL_HIDDEN, INPUT_EMBEDDINGS, ForwardOutputs
+from sglang_kvx.ops.host_syncs import device_positions
 from sglang_kvx.serve.request_state import usage_of, waits, waits_for_room
 
 logger = logging.getLogger(__name__)
@@ -385,14 +386,19 @@ def around_model_forward(original, model_runner, forward_batch, *args, **kwargs)
         return _model_forward(original, model_runner, forward_batch, *args, **kwargs)
     from sglang_kvx.ops.host_syncs import HostSyncCounter
 
+    decode = link.runtime.decode
+    partial_before = decode.partial_reruns if decode else 0
     with HostSyncCounter(where=os.environ.get(COUNT_HOST_SYNCS) == "where") as counter:
         output = _model_forward(original, model_runner, forward_batch, *args, **kwargs)
     mode = "decode" if forward_batch.forward_mode.is_decode() else "extend"
     # "forward": the forward's number among those counted (a reader tells a fresh record from an old one)
     link.host_sync_forwards += 1
-    link.host_syncs[f"{mode}[{forward_batch.batch_size}]"] = {"total": counter.total, **counter.counts,
-                                                              **({"where": dict(counter.where)} if counter.where else {}),
-                                                              "forward": link.host_sync_forwards}
+    record = {"total": counter.total, **counter.counts, **({"where": dict(counter.where)} if counter.where else {}),
+              "forward": link.host_sync_forwards}
+    key = f"{mode}[{forward_batch.batch_size}]"
+    link.host_syncs[key] = record
+    if decode and decode.partial_reruns > partial_before:  # its costliest kind of step: kept apart as well
+        link.host_syncs[f"{key} partial re-run"] = record
     return output
 
 
@@ -420,7 +426,7 @@ def _model_forward(original, model_runner, forward_batch, *args, **kwargs):
     batch = link.batch(forward_batch)
     rows = batch.rows
     may_rerun = decode.begin(rows)
-    snapshot = pool.snapshot_rows(rows) if may_rerun and pool.has_state else None
+    snapshot = pool.snapshot_rows(rows, forward_batch.req_pool_indices) if may_rerun and pool.has_state else None
     wanted = decode.forward_outputs(rows)
     output, outputs = _forward_with_outputs(original, model_runner, forward_batch, wanted, *args, **kwargs)
     again = decode.reruns(may_rerun, rows, outputs)
@@ -441,8 +447,8 @@ def _rerun(original, model_runner, forward_batch, rows, again, snapshot, output,
     which = [i for i, row in enumerate(rows) if row in set(again)]
     whole = len(which) == len(rows) or (snapshot is not None and not pool.restores_some_rows)
     runtime.decode.count_rerun(partial=not whole)
-    # A partial re-run's rows on the device: the sub-batch's index and the states' restore share its one copy.
-    index = None if whole else torch.tensor(which, dtype=torch.long, device=forward_batch.input_ids.device)
+    # A partial re-run's rows on the device (no host copy: runs of an arange), for the sub-batch and the restore.
+    index = None if whole else device_positions(which, forward_batch.input_ids.device)
     if snapshot is not None:
         pool.restore_rows(rows, snapshot, None if whole else which, index)
     if whole:  # a new view: what the layers read is planned anew (the rows' spans changed)

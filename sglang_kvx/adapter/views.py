@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from sglang_kvx.ops.host_syncs import host_values
+from sglang_kvx.ops.host_syncs import device_positions, host_values
 from sglang_kvx.ports import Segment
 
 STATE_ATTR = "_kvx_state"  # on a Req: its serve.request_state.RequestState
@@ -114,8 +114,10 @@ class SGLangKVPool:
         translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
         return translate(index) if translate is not None else index
 
-    def _state_slots_of_rows(self, rows: list[int]) -> torch.Tensor:
-        index = self._req_to_token_pool.get_mamba_indices(torch.tensor(rows, dtype=torch.long, device=self.device))
+    def _state_slots_of_rows(self, rows: list[int], rows_on_device: torch.Tensor | None = None) -> torch.Tensor:
+        if rows_on_device is None:
+            rows_on_device = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = self._req_to_token_pool.get_mamba_indices(rows_on_device.to(device=self.device, dtype=torch.long))
         translate = getattr(self._req_to_token_pool, "translate_mamba_indices", None)
         return translate(index.to(torch.long)) if translate is not None else index.to(torch.long)
 
@@ -123,15 +125,17 @@ class SGLangKVPool:
         cache = self._state_pool.mamba_cache
         return [*cache.conv, cache.temporal]  # each [mamba layers, slots, ...]
 
-    def snapshot_rows(self, rows: list[int]) -> Any:
+    def snapshot_rows(self, rows: list[int], rows_on_device: torch.Tensor | None = None) -> Any:
         """The recurrent states of request rows ``rows`` (to re-run a decode step from them), copied
-        on the pool's device by the kernel layer's snapshot op."""
+        on the pool's device by the kernel layer's snapshot op. ``rows_on_device``: the same rows already
+        on the device (a batch's ``req_pool_indices``), so nothing is copied from the host."""
         from sglang_kvx.ops.state_snapshot import snapshot_states
 
-        slots = self._state_slots_of_rows(rows)  # kept with the copy: its restore puts it back there
+        slots = self._state_slots_of_rows(rows, rows_on_device)  # kept with the copy: its restore puts it back
         if self._state_pool._slot_siblings:  # states beside conv / temporal: SGLang's own (host) copy
             return ("host", self._state_pool.get_cpu_copy(slots), slots)
-        return ("device", snapshot_states(self._state_tensors(), slots, slot_dim=1), slots)
+        # The slots are SGLang's own mapping's: checked by the device, not read back.
+        return ("device", snapshot_states(self._state_tensors(), slots, slot_dim=1, bounds="device"), slots)
 
     def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None,
                      index: torch.Tensor | None = None) -> None:
@@ -144,7 +148,7 @@ class SGLangKVPool:
             if where == "host":
                 raise NotImplementedError("restoring some rows of a host-side state snapshot")
             if index is None:
-                index = torch.tensor(which, dtype=torch.long, device=copy[0].device)
+                index = device_positions(which, copy[0].device)
             index = index.to(copy[0].device)
             copy = [c.index_select(1, index) for c in copy]
             slots = slots.index_select(0, index.to(slots.device))

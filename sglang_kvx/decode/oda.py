@@ -26,7 +26,7 @@ import torch
 
 from sglang_kvx.decode.base import FULL, DecodeStep, Span, StepUnavailable, register_decode_step
 from sglang_kvx.decode.row_state import FINAL_HIDDEN, INPUT_EMBEDDINGS, ForwardOutputs, RowState
-from sglang_kvx.ops.host_syncs import host_values
+from sglang_kvx.ops.host_syncs import device_positions, host_values
 
 
 class RoutedRow(RowState):
@@ -57,8 +57,8 @@ class RoutedRow(RowState):
         local, embeddings = outputs.final_hidden, outputs.input_embeddings
         positions = [index[k] for k in scored]
         if positions != list(range(local.shape[0])):  # some rows of the batch are not scored: gather the others
-            at = torch.tensor(positions, device=local.device)
-            local, embeddings = local[at], embeddings[at]
+            at = device_positions(positions, local.device)
+            local, embeddings = local.index_select(0, at), embeddings.index_select(0, at)
         prev = torch.stack([states[k].prev_hidden for k in scored]).to(local.device)
         # The step's one read back: the host decides which rows re-run.
         for k, score in zip(scored, host_values(head(prev, embeddings, local).float().cpu())):

@@ -83,3 +83,19 @@ def host_values(tensor: torch.Tensor) -> list:
     lengths and rows): read without waiting for a device. ``numpy()`` refuses a device tensor, so a mirror
     that ever moved to the GPU fails here loudly instead of syncing quietly; not counted as a sync."""
     return tensor.numpy().tolist()
+
+
+def device_positions(positions: list[int], device: torch.device | str) -> torch.Tensor:
+    """Host-known positions, in their order, as an int64 index on ``device`` without a host-to-device copy: each
+    run of consecutive positions is an ``arange`` whose bounds travel as kernel arguments, as a slice's do
+    (a sub-batch's rows: at most one run per row, usually a few)."""
+    runs: list[tuple[int, int]] = []
+    for position in positions:
+        if runs and position == runs[-1][1]:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    if not runs:
+        return torch.empty(0, dtype=torch.long, device=device)
+    pieces = [torch.arange(start, end, dtype=torch.long, device=device) for start, end in runs]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -34,10 +34,17 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def snapshot_states(states: Sequence[torch.Tensor], slots: torch.Tensor,
-                    slot_dim: int | Sequence[int] = 0, impl: str | None = None) -> list[torch.Tensor]:
-    """impl: see ``ops/dispatch.py`` (op ``state_snapshot``; auto: CuPy, else Triton on CUDA; torch elsewhere)."""
+                    slot_dim: int | Sequence[int] = 0, impl: str | None = None,
+                    bounds: str = "host") -> list[torch.Tensor]:
+    """impl: see ``ops/dispatch.py`` (op ``state_snapshot``; auto: CuPy, else Triton on CUDA; torch elsewhere).
+    ``bounds``: how a slot outside the states is refused -- ``"host"``, a ValueError before any launch (one
+    host read of the least and greatest slot); ``"device"``, an assertion the device checks in order with
+    the copies (no host read: for slots taken from the engine's own mapping, where a bad one is a bug, on
+    CUDA a device-side assertion error; on CPU a RuntimeError)."""
+    if bounds not in ("host", "device"):
+        raise ValueError(f"bounds must be 'host' or 'device', got {bounds!r}")
     dims = _slot_dims(states, slot_dim)
-    indices = _check_slots(slots, states, dims)
+    indices = _check_slots(slots, states, dims, read_bounds=bounds == "host", assert_on_device=bounds == "device")
     snapshots = []
     for state, dim, index in zip(states, dims, indices):
         shape = list(state.shape)
@@ -94,8 +101,9 @@ def _slot_dims(states: Sequence[torch.Tensor], slot_dim: int | Sequence[int]) ->
 
 
 def _check_slots(slots: torch.Tensor, states: Sequence[torch.Tensor], dims: list[int],
-                 read_bounds: bool = True) -> list[torch.Tensor]:
-    """The slots as int64 on each state's device, bound-checked against every state (``read_bounds``)."""
+                 read_bounds: bool = True, assert_on_device: bool = False) -> list[torch.Tensor]:
+    """The slots as int64 on each state's device, bound-checked against every state (``read_bounds``: on the
+    host; ``assert_on_device``: by the device, no host read)."""
     if slots.dim() != 1:
         raise ValueError(f"slots must be one-dimensional, got shape {tuple(slots.shape)}")
     index = slots.to(torch.long).contiguous()
@@ -106,6 +114,8 @@ def _check_slots(slots: torch.Tensor, states: Sequence[torch.Tensor], dims: list
         low, high = torch.stack([index.min(), index.max()]).tolist()
         if low < 0 or high >= size:
             raise ValueError(f"slots must lie in [0, {size})")
+    elif assert_on_device and index.numel():
+        torch._assert_async(((index >= 0) & (index < size)).all(), f"state snapshot: slots must lie in [0, {size})")
     on_device: dict[torch.device, torch.Tensor] = {}
     for state in states:  # one copy per device, not per state
         if state.device not in on_device:
