@@ -9,8 +9,8 @@ backends read every slot of a request's row in every layer.
 ``per_layer_lengths_class`` derives, from any backend class, a subclass that plans, once per forward
 batch in ``init_forward_metadata``, what each layer's rows read: page tables (``batch_reads.py``,
 ``serve/page_tables.py``; cells of other layers through the pool's one allocation, ``cell_space.py``). A backend whose own
-kernel reads a page table (``ReadsPageTables``: ``kvx_torch_native``, the CPU default) serves them
-there; every other backend (FlashInfer, Triton, FA3 on CUDA, for now), and layers a table cannot say
+kernel reads a page table (``ReadsPageTables``: ``kvx_torch_native``, the CPU default; SGLang's Triton
+backend, ``triton_tables.py``) serves them there; every other backend (FlashInfer, FA3), and layers a table cannot say
 (a scaled cache; cells of other layers where the pool has no cell space), run those rows through ``masked_attention`` (plain
 torch or the kernel layer's ops, on whatever device the pool lives); every other layer and batch runs
 through the backend unchanged. ``with_per_layer_lengths`` switches a built instance to it (SGLang's
@@ -147,6 +147,14 @@ def per_layer_lengths_class(backend_class: type) -> type:
                      "init_forward_metadata_out_graph": _init_forward_metadata_out_graph}
         _SUBCLASSES[backend_class] = type(f"Kvx{backend_class.__name__}", (backend_class, PerLayerLengths), namespace)
     return _SUBCLASSES[backend_class]
+
+
+def register_page_table_reader(backend_class: type, reader_class: type) -> None:
+    """What ``with_per_layer_lengths`` gives a built ``backend_class``: ``reader_class``, a page-table reader
+    (``per_layer_lengths_class(backend_class)`` and ``ReadsPageTables``) defined in its own module."""
+    if not (issubclass(reader_class, backend_class) and issubclass(reader_class, ReadsPageTables)):
+        raise TypeError(f"{reader_class.__name__} must derive from {backend_class.__name__} and read page tables")
+    _SUBCLASSES[backend_class] = reader_class
 
 
 def with_per_layer_lengths(backend):
@@ -290,7 +298,7 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
         return output
 
 
-_SUBCLASSES[TorchNativeAttnBackend] = KvxTorchNativeAttnBackend  # what with_per_layer_lengths gives torch_native
+register_page_table_reader(TorchNativeAttnBackend, KvxTorchNativeAttnBackend)  # what torch_native gets
 
 
 def _check_plain_layer(layer, kwargs, what: str) -> None:

@@ -142,6 +142,8 @@ IMPORTED: list[str] = [
     "sglang.srt.arg_groups.choices.add_attention_backend_choices",
     "sglang.srt.layers.attention.attention_registry.register_attention_backend",
     "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend",
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend",
+    "sglang.srt.layers.attention.triton_backend.logit_capping_mod",
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.MambaAttnBackendBase",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
     "sglang.srt.mem_cache.common.match_kv_cache",
@@ -158,6 +160,14 @@ IMPORTED: list[str] = [
     "sglang.srt.utils.numa_utils.get_cpu_ids_by_node",
     "sglang.srt.entrypoints.http_server.app",
 ]
+
+# SGLang attention backends whose own kernels read a layer's page table, -> the module (of this package)
+# defining their reader class, imported where SGLang builds such a backend (``after_build_attention_backend``)
+# so that only servers running that backend import it. ``kvx_torch_native`` is defined with the rest
+# (``attention.py``). Every other backend reads compacted rows through ``masked_attention``.
+PAGE_TABLE_READERS: dict[str, str] = {
+    "sglang.srt.layers.attention.triton_backend.TritonAttnBackend": "sglang_kvx.adapter.triton_tables",
+}
 
 # Instance attributes the views and hooks read or write, by the class that defines them
 # (checked in SGLang's source text: instances exist only in a running server).

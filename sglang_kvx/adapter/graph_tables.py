@@ -14,10 +14,11 @@ and copied on the device, where SGLang prepares a replay's metadata (``init_forw
 Batches of plain rows and children of flat contexts select ``plain`` and pay nothing.
 
 Where it runs: the CPU graph emulation (``graph_runners.py``) installs it for ``kvx_torch_native``
-(standing in there for a capturable backend). No CUDA backend reads page tables yet, so on CUDA such
-batches still run eagerly (``serve/graph_eligibility.py``). The static buffers are allocated at the
-first batch that needs them (the layers' cell space is known only once the scheduler links them); a
-CUDA capture would need them before it records.
+(standing in there for a capturable backend). On CUDA no graph runner installs it (SGLang's Triton
+backend reads page tables eagerly only, ``triton_tables.py``), so there such batches still run
+eagerly (``serve/graph_eligibility.py``). The static buffers are allocated at the first batch that
+needs them (the layers' cell space is known only once the scheduler links them); a CUDA capture
+would need them before it records.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import os
 import torch
 
 from sglang_kvx.adapter.attention_inputs import tap_attention_inputs
-from sglang_kvx.adapter.contract import SCHEDULER_HOOKS, check_applied
+from sglang_kvx.adapter.contract import PAGE_TABLE_READERS, SCHEDULER_HOOKS, check_applied
 from sglang_kvx.adapter.forward import Link, attach, link_of, runtime_of
 from sglang_kvx.adapter.graph_replay import silent_in_replay
 from sglang_kvx.adapter.cell_space import around_create_kv_buffers  # noqa: F401 (a hook, found by name)
@@ -576,8 +576,14 @@ def after_build_attention_backend(backend, *_args, model_runner=None, **_kwargs)
 
     if model_runner is None or not config_of(model_runner.server_args).enabled or model_runner.use_mla_backend:
         return backend
+    import importlib
+
     from sglang_kvx.adapter.attention import with_per_layer_lengths
 
+    for built in (backend, *(getattr(backend, name, None) for name in ("full_attn_backend", "decode_backend"))):
+        reader = PAGE_TABLE_READERS.get(f"{type(built).__module__}.{type(built).__qualname__}") if built else None
+        if reader is not None:
+            importlib.import_module(reader)  # registers its reader class (``attention.register_page_table_reader``)
     return with_per_layer_lengths(backend)
 
 

@@ -131,6 +131,19 @@ def build_batch_reads(masked: list[dict[int, PrefixCells]], layer_ids: list[int]
     return BatchReads([made[p] if p is not None else None for p in planned], stay_masked)
 
 
+def ragged_lists(cells: torch.Tensor, lens: torch.Tensor, lens_host: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first ``lens[i]`` entries of a padded table ``[rows, width]`` as ``(indptr, indices)``: the
+    ragged form paged kernels read (SGLang's Triton backend: ``kv_indptr`` int32, ``kv_indices`` int64).
+    Built on the device from the host's counts (``lens_host``, the same as ``lens``): nothing is read back."""
+    rows, total = len(lens_host), sum(lens_host)
+    device = cells.device
+    indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    indptr[1:] = torch.cumsum(lens, 0)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=device), lens, output_size=total)
+    column = torch.arange(total, device=device) - indptr[:-1].to(torch.long)[row_of]
+    return indptr, cells[row_of, column].to(torch.long)
+
+
 def _append(host: list[int], values: list[int]) -> tuple[int, int]:
     start = len(host)
     host.extend(values)
