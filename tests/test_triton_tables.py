@@ -11,11 +11,16 @@ reads nothing back from the device (counted)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 
+import pytest
+import requests
 import torch
 
 from interpreter import interpreted_lines
+from server_pool import spec
+from test_compaction_e2e import text
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, before: int | None) -> torch.Tensor:
@@ -137,6 +142,50 @@ def test_a_built_triton_backend_becomes_its_page_table_reader_where_the_contract
     backend = with_per_layer_lengths(TritonAttnBackend.__new__(TritonAttnBackend))  # as SGLang built it, switched
     assert type(backend) is reader_module.KvxTritonAttnBackend
     assert isinstance(backend, TritonAttnBackend) and isinstance(backend, ReadsPageTables)
+
+
+# Rows reading other than their whole rows, by kind: (the parent's kvx fields, or None: no parent; each row's).
+TABLE_KINDS = {
+    "pyramidkv": ({"policy": "keydiff", "keep_fraction": 0.5, "allocation": "pyramidkv"}, None),
+    "global": ({"policy": "keydiff", "keep_fraction": 0.3, "allocation": "global"}, None),
+    "streamingllm": (None, {"decode": {"step": "streamingllm", "sinks": 4, "window": 24}}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.long  # SGLang's kernels under the Triton interpreter: minutes of CPU
+def test_a_triton_backend_server_reads_children_and_spans_through_page_tables_as_the_cpu_default(
+        shared_specs, server_pool, references):
+    """The real server with ``--attention-backend triton`` (SGLang's Triton backend, its kernels under the Triton
+    interpreter on CPU) answers four rows at once of per-layer (PyramidKV) and per-head (``global``) children and
+    StreamingLLM rows token for token as the shared compacting server (``kvx_torch_native``), with no layer
+    call through ``masked_attention``."""
+    from test_gpu_defaults import body, send
+
+    base = shared_specs("compacting", "tiny-llama")
+    triton = server_pool.get(spec(base.model_path, *base.args, "--attention-backend", "triton",
+                                  max_total_tokens=base.max_total_tokens, env={**dict(base.env), "TRITON_INTERPRET": "1"}))
+    eager = server_pool.get(base, hot=True)
+    assert requests.get(triton.url + "/server_info", timeout=30).json()["attention_backend"] == "triton"
+    ref = references["tiny-llama"]
+    context = ref.encode(text(160, seed=851))
+    masked_before = triton.stats()["masked_attention_calls"]
+    for kind, (parent, fields) in TABLE_KINDS.items():
+        prompts = [(context if parent else ref.encode(text(80, seed=860 + row))) + ref.encode(text(6, seed=870 + row))
+                   for row in range(4)]
+        answers = []
+        for server in (triton, eager):
+            server.flush()
+            if parent is not None:
+                assert send(server, body(context, 0, **parent))[0] == 200
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(lambda ids: send(server, body(ids, 8, **(parent or fields))), prompts))
+            assert all(status == 200 for status, _ in replies), (kind, replies)
+            if parent is not None:
+                assert all(reply["meta_info"]["kvx"][-1].get("child") for _, reply in replies), kind
+            answers.append([reply["output_ids"] for _, reply in replies])
+        assert answers[0] == answers[1], kind
+    assert triton.stats()["masked_attention_calls"] == masked_before
 
 
 if __name__ == "__main__":
