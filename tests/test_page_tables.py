@@ -209,3 +209,57 @@ def test_a_graphs_static_tables_list_every_layers_cells_per_row_and_kv_head_with
             for head in range(HEADS):
                 at = row * HEADS + head
                 torch.testing.assert_close(keys[table.cells[at, : int(table.lens[at])]], expected(layer, row, head))
+
+
+def test_a_decode_batchs_tables_carried_one_step_equal_tables_built_anew_and_copy_nothing():
+    """``TableCarry``: the next decode step's tables, made from the last step's by one cell per list on the
+    device, list for list what ``build_batch_reads`` builds from scratch for that step (per-head, folded across
+    layers, two layers sharing one table, a plain row beside them), over many steps and past the tables'
+    width; anything else about the batch changing makes it build anew."""
+    from sglang_kvx.serve.page_tables import TableCarry
+
+    whole, space = arena()
+    req_to_token = torch.randperm(4 * 16 * 4).reshape(4, 64)[:, :48].to(torch.int32) % (2 * SLOTS // 2)
+    per_head = PrefixCells(num_slots=5, own=1, head_own=(3, 1), head_borrowed=(((12, 1, torch.tensor([50, 51])),), ()))
+    folded = PrefixCells(num_slots=6, own=4, borrowed=((12, torch.tensor([40, 41])),))
+    ranks = PrefixCells(num_slots=6, own=3, borrowed=())  # the same in layers 10 and 12: one shared table
+    masked = [{0: ranks}, {0: per_head, 1: folded}, {0: ranks}]
+    # folded (a per-row list across layers) on its own layer, to check its offsets too
+    masked_folded = [{0: ranks}, {1: folded}, {0: ranks}]
+    rows, rids = [1, 3], ["a", "b"]
+    for layers_masked in (masked, masked_folded):
+        carry = TableCarry()
+        carry.GROW = 3  # grow several times over the steps below
+        lens = [9, 7]
+        carry.keep(build_batch_reads(layers_masked, [10, 11, 12], rows, lens, None, req_to_token, space),
+                   layers_masked, rows, rids, lens, [10, 11, 12])
+        for step in range(12):
+            lens = [n + 1 for n in lens]
+            newest = req_to_token[torch.tensor(rows), torch.tensor(lens) - 1]
+            with HostSyncCounter() as counter:
+                carried = carry.advance(layers_masked, rows, rids, lens, newest)
+            assert carried is not None and counter.total == 0, (step, counter.counts)
+            fresh = build_batch_reads(layers_masked, [10, 11, 12], rows, lens, None, req_to_token, space)
+            assert carried.tables[0] is carried.tables[2]  # still shared
+            for got, want in zip(carried.tables, fresh.tables):
+                assert got.lens_host == want.lens_host and got.lens.tolist() == want.lens.tolist()
+                assert got.heads == want.heads and got.space is want.space
+                for i, count in enumerate(want.lens_host):
+                    assert got.cells[i, :count].tolist() == want.cells[i, :count].tolist(), (step, i)
+    # What makes it build anew: another request in a row, a length not one longer, other cells, a gap of a step
+    lens = [9, 7]
+    for change in ("requests", "length", "cells", "skipped"):
+        carry = TableCarry()
+        carry.keep(build_batch_reads(masked, [10, 11, 12], rows, lens, None, req_to_token, space), masked, rows, rids,
+                   lens, [10, 11, 12])
+        now_rids, now_lens, now_masked = rids, [10, 8], masked
+        if change == "requests":
+            now_rids = ["a", "c"]
+        elif change == "length":
+            now_lens = [10, 9]
+        elif change == "cells":
+            now_masked = [{0: ranks}, {0: per_head, 1: PrefixCells(num_slots=6, own=4, borrowed=folded.borrowed)}, {0: ranks}]
+        else:
+            now_lens = [11, 9]
+        assert carry.advance(now_masked, rows, now_rids, now_lens, torch.zeros(2, dtype=torch.long)) is None, change
+        assert not carry.holding

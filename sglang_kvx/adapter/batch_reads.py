@@ -61,16 +61,26 @@ def planned_reads(backend, forward_batch) -> BatchReads | None:
     if link is None or not _rows_may_differ(link.runtime):
         return None
     batch = link.batch(forward_batch)
-    return batch.shared("batch_reads", lambda: _build_reads(backend, link.runtime, batch))
+    return batch.shared("batch_reads", lambda: _build_reads(backend, link, batch))
 
 
-def _build_reads(backend, runtime, batch) -> BatchReads | None:
+def _build_reads(backend, link, batch) -> BatchReads | None:
+    runtime = link.runtime
     layer_ids = sorted(runtime.compactor.layer_index, key=runtime.compactor.layer_index.get)
     masked = [_layer_masks(runtime, index, batch) for index in range(len(layer_ids))]
     if not any(masked):
         return None
     fb = batch.fb
+    req_to_token = backend.req_to_token_pool.req_to_token
+    carry = batch.is_decode and fb.rids is not None  # the batch's requests are known: its tables may carry over
+    if carry and link.table_carry.holding:  # the last step's tables, one cell longer per list, where the batch allows
+        newest = req_to_token[fb.req_pool_indices, fb.seq_lens - 1]
+        carried = link.table_carry.advance(masked, batch.rows, fb.rids, batch.seq_lens, newest)
+        if carried is not None:
+            return carried
     q_lens = None if batch.is_decode else list(fb.extend_seq_lens_cpu)
-    reads = build_batch_reads(masked, layer_ids, batch.rows, batch.seq_lens, q_lens,
-                              backend.req_to_token_pool.req_to_token, cell_space_of(backend.token_to_kv_pool, layer_ids))
+    reads = build_batch_reads(masked, layer_ids, batch.rows, batch.seq_lens, q_lens, req_to_token,
+                              cell_space_of(backend.token_to_kv_pool, layer_ids))
+    if carry:
+        link.table_carry.keep(reads, masked, batch.rows, fb.rids, batch.seq_lens, layer_ids)
     return reads or None

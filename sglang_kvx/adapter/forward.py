@@ -13,6 +13,7 @@ from typing import Any
 
 from sglang_kvx.adapter.views import SGLangBatch
 from sglang_kvx.ops.flashinfer_plans import DecodePlans
+from sglang_kvx.serve.page_tables import TableCarry
 
 LINK_ATTR = "_kvx_link"
 
@@ -21,7 +22,7 @@ class Link:
     """A scheduler's runtime, as its hooks reach it."""
 
     __slots__ = ("runtime", "metrics", "kernel_plans", "graph_declines", "host_syncs", "host_sync_forwards",
-                 "masked_attention_calls", "_batch")
+                 "masked_attention_calls", "table_carry", "_batch")
 
     def __init__(self, runtime, metrics=None) -> None:
         self.runtime = runtime
@@ -35,6 +36,7 @@ class Link:
         # Layer calls that read a compacted prefix or a decode step's span through masked attention instead of
         # the backend's own kernels (issue #56 counts them; /kvx/stats).
         self.masked_attention_calls = 0
+        self.table_carry = TableCarry()  # a decode batch's page tables, kept for its next step
         self._batch: SGLangBatch | None = None
 
     def begin(self, forward_batch: Any, rows: list[int]) -> SGLangBatch:

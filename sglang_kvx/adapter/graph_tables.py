@@ -30,7 +30,7 @@ from sglang.srt.model_executor.runner_utils.capture_mode import get_capture_atte
 from sglang_kvx.adapter.batch_reads import planned_reads
 from sglang_kvx.adapter.cell_space import cell_space_of
 from sglang_kvx.adapter.forward import link_of
-from sglang_kvx.serve.page_tables import GraphTables, LayerTable
+from sglang_kvx.serve.page_tables import GraphTables, LayerTable, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class PageTableGraphs:
         if not self.usable():
             return False
         reads = planned_reads(self.backend, forward_batch)
-        return reads is None or all(table is None or table.cells.shape[1] <= self._tables.width for table in reads.tables)
+        return reads is None or all(table is None or table_width(table) <= self._tables.width for table in reads.tables)
 
     def select(self, forward_batch) -> str:
         """The variant ``forward_batch`` replays (SGLang's runner asks before each replay)."""

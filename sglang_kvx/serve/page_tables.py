@@ -20,7 +20,7 @@ head-major once per batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -129,6 +129,74 @@ def build_batch_reads(masked: list[dict[int, PrefixCells]], layer_ids: list[int]
                                pieces[1] if len(pieces) > 1 else None, table_space, heads,
                                pieces[2] if len(pieces) > 2 else None, order))
     return BatchReads([made[p] if p is not None else None for p in planned], stay_masked)
+
+
+class TableCarry:
+    """A decode batch's page tables, kept for its next step. From one decode step to the next every list
+    of every table gains one cell at its end -- its row's newest token, seen in the table's address space
+    -- as long as the batch holds the same requests in the same rows, each one token longer, reading the
+    same cells otherwise (the same ``PrefixCells`` objects: a compacted context's are its own for the
+    request's life; a decode step's span is built anew each step, so its batches are rebuilt). Then
+    ``advance`` writes that one column on the device instead of rebuilding every list at full width, and
+    copies nothing from the host (the counts grow on the device); tables grow ``GROW`` columns at a time."""
+
+    GROW = 128
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (reads, masked, rows, requests, seq_lens, layer_ids)
+
+    @property
+    def holding(self) -> bool:
+        return self._last is not None
+
+    def keep(self, reads: BatchReads | None, masked: list[dict[int, PrefixCells]], rows: list[int],
+             requests: list, seq_lens: list[int], layer_ids: list[int]) -> None:
+        """A decode step's freshly built tables and what they were built from."""
+        self._last = (reads, masked, tuple(rows), tuple(requests), list(seq_lens), layer_ids) if reads else None
+
+    def advance(self, masked: list[dict[int, PrefixCells]], rows: list[int], requests: list, seq_lens: list[int],
+                new_slots: torch.Tensor) -> BatchReads | None:
+        """This decode step's tables from the last step's, or None where they must be built anew.
+        ``new_slots``: each row's newest token's slot (``req_to_token[row, seq_len - 1]``), on the device."""
+        last, self._last = self._last, None
+        if last is None:
+            return None
+        reads, was_masked, was_rows, was_requests, was_lens, layer_ids = last
+        if (tuple(rows) != was_rows or tuple(requests) != was_requests or len(masked) != len(was_masked)
+                or any(now != was + 1 for now, was in zip(seq_lens, was_lens)) or any(reads.masked)
+                or any(now.keys() != was.keys() or any(now[i] is not was[i] for i in now)
+                       for now, was in zip(masked, was_masked))):
+            return None
+        grown: dict[int, LayerTable] = {}
+        tables: list[LayerTable | None] = []
+        for layer_id, table in zip(layer_ids, reads.tables):
+            if table is not None and id(table) not in grown:
+                # A table in another layer's addresses (the cell space) is that layer's alone; shared ones are not.
+                offset = table.space.offsets[layer_id] if table.space is not None else 0
+                grown[id(table)] = self._appended(table, new_slots.to(torch.long) + offset)
+            tables.append(grown[id(table)] if table is not None else None)
+        carried = BatchReads(tables, reads.masked)
+        self._last = (carried, masked, tuple(rows), tuple(requests), list(seq_lens), layer_ids)
+        return carried
+
+    def _appended(self, table: LayerTable, addresses: torch.Tensor) -> LayerTable:
+        if table.heads:  # each (row, KV head)'s list: the cell's head h
+            heads = torch.arange(table.heads, device=addresses.device)
+            addresses = (addresses[:, None] * table.heads + heads[None, :]).reshape(-1)
+        lens_host = [count + 1 for count in table.lens_host]
+        cells = table.cells
+        if max(lens_host) > cells.shape[1]:
+            cells = torch.nn.functional.pad(cells, (0, self.GROW))
+        cells[torch.arange(len(lens_host), device=cells.device), table.lens] = addresses
+        return replace(table, cells=cells, lens=table.lens + 1, lens_host=lens_host)
+
+    def clear(self) -> None:
+        self._last = None
+
+
+def table_width(table: LayerTable) -> int:
+    """The longest list of a table (its ``cells`` may be wider: a carried table grows in steps)."""
+    return max(table.lens_host, default=0) if table.lens_host is not None else table.cells.shape[1]
 
 
 def ragged_lists(cells: torch.Tensor, lens: torch.Tensor, lens_host: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,10 +316,10 @@ class GraphTables:
             if table is None:
                 cells, lens = self._per_head(whole, self.space.offsets[layer_id]), whole_lens
             elif table.heads:
-                cells, lens = table.cells, table.lens
+                cells, lens = table.cells[:, : table_width(table)], table.lens
             else:  # one list per row, in the layer's own buffer or (it borrows) the cell space
                 offset = 0 if table.space is not None else self.space.offsets[layer_id]
-                cells, lens = self._per_head(table.cells, offset), table.lens.repeat_interleave(
+                cells, lens = self._per_head(table.cells[:, : table_width(table)], offset), table.lens.repeat_interleave(
                     heads, output_size=batch * heads)
             if cells is None:
                 continue
