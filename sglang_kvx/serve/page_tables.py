@@ -229,23 +229,26 @@ def _head_major_order(q_lens: list[int], heads: int, device: torch.device) -> to
     return torch.cat(pieces)
 
 
+def _row_list(slots: torch.Tensor, cells: PrefixCells | None, device: torch.device,
+              offsets: dict[int, int] | None, own_offset: int) -> torch.Tensor:
+    """One row's cells in a layer, the same in every KV head: its own ranks, the cells it borrows, then its
+    tokens; addresses in the layer's own buffer (``offsets`` None) or in the cell space (the layer at
+    ``own_offset``). ``slots``: the row's slots in its own buffer."""
+    if cells is not None:
+        pieces = [slots[: cells.own]]
+        pieces += [at.to(device=device, dtype=torch.long) + ((offsets[other] - own_offset) if offsets else 0)
+                   for other, at in cells.borrowed]
+        pieces.append(slots[cells.num_slots :])
+        slots = torch.cat(pieces)
+    return slots + own_offset if own_offset else slots
+
+
 def _row_lists(layer_masked: dict[int, PrefixCells], layer_id: int, rows: list[int], seq_lens: list[int],
                req_to_token: torch.Tensor, offsets: dict[int, int] | None) -> list[torch.Tensor]:
     """Each row's cells in this layer: addresses in its own buffer, or (``offsets``) in the cell space."""
-    device = req_to_token.device
     own_offset = offsets[layer_id] if offsets is not None else 0
-    lists = []
-    for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
-        slots = req_to_token[row, :seq_len].to(torch.long)
-        cells = layer_masked.get(i)
-        if cells is not None:
-            pieces = [slots[: cells.own]]
-            pieces += [at.to(device=device, dtype=torch.long) + ((offsets[other] - own_offset) if offsets else 0)
-                       for other, at in cells.borrowed]
-            pieces.append(slots[cells.num_slots :])
-            slots = torch.cat(pieces)
-        lists.append(slots + own_offset if own_offset else slots)
-    return lists
+    return [_row_list(req_to_token[row, :seq_len].to(torch.long), layer_masked.get(i), req_to_token.device, offsets,
+                      own_offset) for i, (row, seq_len) in enumerate(zip(rows, seq_lens))]
 
 
 def _head_lists(layer_masked: dict[int, PrefixCells], layer_id: int, rows: list[int], seq_lens: list[int],
@@ -257,21 +260,17 @@ def _head_lists(layer_masked: dict[int, PrefixCells], layer_id: int, rows: list[
     own_offset = space.offsets[layer_id]
     lists = []
     for i, (row, seq_len) in enumerate(zip(rows, seq_lens)):
-        slots = req_to_token[row, :seq_len].to(torch.long) + own_offset
+        slots = req_to_token[row, :seq_len].to(torch.long)
         cells = layer_masked.get(i)
+        if cells is None or cells.head_own is None:  # one list for the row, seen in each head
+            row_cells = _row_list(slots, cells, device, space.offsets, own_offset)
+            lists += [row_cells * heads + head for head in range(heads)]
+            continue
+        slots = slots + own_offset
         for head in range(heads):
-            if cells is None:
-                lists.append(slots * heads + head)
-                continue
-            if cells.head_own is None:
-                own = slots[: cells.own]
-                pieces = [own * heads + head] + [(at.to(device=device, dtype=torch.long) + space.offsets[other]) * heads + head
-                                                 for other, at in cells.borrowed]
-            else:
-                own = slots[: cells.head_own[head]]
-                pieces = [own * heads + head] + [
-                    (at.to(device=device, dtype=torch.long) + space.offsets[other]) * heads + holder
-                    for other, holder, at in cells.head_borrowed[head]]
+            pieces = [slots[: cells.head_own[head]] * heads + head] + [
+                (at.to(device=device, dtype=torch.long) + space.offsets[other]) * heads + holder
+                for other, holder, at in cells.head_borrowed[head]]
             pieces.append(slots[cells.num_slots :] * heads + head)
             lists.append(torch.cat(pieces))
     return lists
