@@ -54,6 +54,8 @@ max_new_tokens); a run finding a side's file with the same fingerprint reads it 
 that side again; while a side runs, each answer is appended to ``DIR/<side>-<job>.partial.jsonl``, so an
 interrupted run resumes where it stopped. ``--side kvpress`` or ``--side server`` runs one side only and
 stops (two such runs can go side by side; a last run with both files present prints the comparison).
+``--server-only`` reports the server's side alone, kvpress's columns empty, and never runs kvpress (our
+own figures, where no comparison is wanted: issue #57's 2,048-token table).
 
 Isolation (``--setup``, or the first run): kvpress 0.5.5 pins ``transformers<5.3`` where SGLang 0.5.23
 runs on 5.19, so kvpress lives in its own venv, ``.venv-kvpress`` (git-ignored), and runs as a
@@ -346,7 +348,7 @@ def compare(methods: list[tuple], prompts: list[dict], ours: list[list[dict]], t
             "same_token_ids": same_ids if theirs[m] is not None else None, "total": len(prompts),
             "kept_fraction_sglang_kvx": mean([a.get("kept_fraction") for a in ours[m]]) if policy != FULL else 1.0,
         }
-        if press == "DMSPress":
+        if press == "DMSPress" and theirs[m] is not None:
             row["kept_fraction_kvpress"] = mean([1 - b["kvpress_compression_ratio"] for b in theirs[m]])
         rows.append({**row, "per_sample": per_sample})
     return rows
@@ -376,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                              "job is the same")
     parser.add_argument("--side", choices=("both", "kvpress", "server"), default="both",
                         help="run one side only and stop (needs --answers; default: %(default)s)")
+    parser.add_argument("--server-only", action="store_true",
+                        help="report the server's side alone (kvpress's columns empty): our figures where no comparison "
+                             "with kvpress is wanted; kvpress is not run")
     parser.add_argument("--kvzap-thresholds", default="",
                         help="KVzap rows at these taus, ours against kvpress's DMSPress(KVzapPress) with our surrogate "
                              "(write --kvzap-thresholds=-6,-5: the values start with a minus)")
@@ -434,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     job = _fingerprint(model, dtype, methods, prompts, args.max_new_tokens)
     kept = Path(args.answers) if args.answers else None
     kvpress_side = _kept(kept, "kvpress", job)
-    if kvpress_side is None and args.side != "server":
+    if kvpress_side is None and args.side != "server" and not args.server_only:
         kvpress_side = _keep(kept, "kvpress", job, run_kvpress(python, model, dtype, methods, prompts, args.max_new_tokens,
                                                                _progress(kept, "kvpress", job)))
     server_side = _kept(kept, "server", job)
@@ -463,17 +468,19 @@ def main(argv: list[str] | None = None) -> int:
             by_method.update(zip(group, answers))
             served_info["main" if tau is None else f"kvzap threshold {tau:g}"] = info
         server_side = _keep(kept, "server", job, {"server": served_info, "answers": [by_method[m] for m in methods]})
-    if kvpress_side is None or server_side is None:
+    if server_side is None or (kvpress_side is None and not (args.server_only and args.side != "kvpress")):
         print(f"{args.side} side kept in {kept}; run again without --side to compare", file=sys.stderr)
         return 0
     ours, served_info = server_side["answers"], server_side["server"]
 
     methods = [tuple(m) for m in methods]
-    rows = compare(methods, prompts, ours, kvpress_side["answers"], _stop_ids(model, tokenizer), model)
+    theirs = kvpress_side["answers"] if kvpress_side is not None else [None] * len(methods)
+    rows = compare(methods, prompts, ours, theirs, _stop_ids(model, tokenizer), model)
+    versions = kvpress_side["versions"] if kvpress_side is not None else None
     result = {
         "model": Path(model).name, "tasks": tasks, "length": args.length, "seed": args.seed, "samples": args.samples,
         "max_new_tokens": args.max_new_tokens, "dtype": dtype,
-        "kvpress_version": kvpress_side["versions"]["kvpress"], "kvpress_side": kvpress_side["versions"],
+        "kvpress_version": versions["kvpress"] if versions else None, "kvpress_side": versions,
         "server": served_info,
         "presses": {(m[0] if m[2] is None else f"{m[0]}@{m[2]:g}"): dict(zip(("press", "options"), press_of(m, model)))
                     for m in methods if m[0] != FULL},
