@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite: real SGLang servers on loopback, shared across the suite.
-#   bash scripts/test.sh           the whole suite, what CI runs first (13:09 on 2 cores, 2026-12-07)
+#   bash scripts/test.sh           the whole suite, what CI runs first (10:55 on 2 cores, 2026-12-08)
 #   bash scripts/test.sh --quick   unit tests and the shared dense server only: the inner loop (about 5 min)
 #   bash scripts/test.sh --long    the long-scale runs (marked `long`), which CI runs after the suite
 # Any further arguments go to pytest (a file, -k EXPR, -x, ...). The whole suite runs on two
