@@ -83,7 +83,7 @@ class KVPool(Protocol):
     def restore_rows(self, rows: list[int], snapshot: Any, which: list[int] | None = None,
                      index: Any = None) -> None:
         """Put back a snapshot of ``rows``: only the rows at positions ``which`` (all when None); ``index``:
-        ``which`` already on the device (so that it is copied there once)."""
+        ``which`` already on the device (built there once for the re-run's sub-batch and this restore)."""
         ...
 
 

@@ -35,7 +35,7 @@ from sglang_kvx.adapter.graph_replay import DECODE, on_capture_path, replaying
 from sglang_kvx.adapter.graph_tables import page_table_graphs_of
 from sglang_kvx.ops.prefix_attention import prefix_cells_attention
 from sglang_kvx.ops.window_attention import window_attention
-from sglang_kvx.serve.page_tables import LayerTable
+from sglang_kvx.serve.page_tables import LayerTable, one_head_per_cell
 
 
 class PerLayerLengths:
@@ -213,8 +213,8 @@ class KvxTorchNativeAttnBackend(per_layer_lengths_class(TorchNativeAttnBackend),
             k_cache, v_cache = table.space.keys, table.space.values
         else:
             k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+        k_cache, v_cache = one_head_per_cell(k_cache, v_cache, table)
         if table.heads:  # one list per (row, KV head): every cell seen as one head's, each KV head's queries a group
-            k_cache, v_cache = k_cache.reshape(-1, 1, k_cache.shape[-1]), v_cache.reshape(-1, 1, v_cache.shape[-1])
             q_heads, kv_heads = q_heads // kv_heads, 1
         q_ = q.reshape(-1, q_heads, layer.qk_head_dim)
         if table.order is not None:  # a per-head extend: its queries (row, KV head)-major, as the table's rows

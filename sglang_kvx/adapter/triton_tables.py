@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_kvx.adapter.attention import ReadsPageTables, per_layer_lengths_class, register_page_table_reader
 from sglang_kvx.adapter.forward import link_of
-from sglang_kvx.serve.page_tables import LayerTable, ragged_lists
+from sglang_kvx.serve.page_tables import LayerTable, one_head_per_cell, ragged_lists
 
 
 class KvxTritonAttnBackend(per_layer_lengths_class(TritonAttnBackend), ReadsPageTables):
@@ -75,20 +75,13 @@ class KvxTritonAttnBackend(per_layer_lengths_class(TritonAttnBackend), ReadsPage
 register_page_table_reader(TritonAttnBackend, KvxTritonAttnBackend)
 
 
-def _one_head_per_cell(k_cache: torch.Tensor, v_cache: torch.Tensor, table: LayerTable):
-    """The K/V buffers as the table's kernel reads them: as they are, or (a per-head table) one KV head per cell."""
-    if not table.heads:
-        return k_cache, v_cache
-    return k_cache.reshape(-1, 1, k_cache.shape[-1]), v_cache.reshape(-1, 1, v_cache.shape[-1])
-
-
 def table_decode(decode_fwd: Callable, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: LayerTable, ragged: tuple[torch.Tensor, torch.Tensor], scaling: float, max_kv_splits: int,
                  logit_cap: float = 0.0) -> torch.Tensor:
     """One decode step's attention of ``q`` ``[rows, Hq, D]`` over ``table`` (``ragged``: its
     ``ragged_lists``) by SGLang's ``decode_attention_fwd``; ``[rows, Hq, Dv]``."""
     rows, q_heads = q.shape[:2]
-    keys, values = _one_head_per_cell(k_cache, v_cache, table)
+    keys, values = one_head_per_cell(k_cache, v_cache, table)
     queries = q.reshape(rows * table.heads, q_heads // table.heads, q.shape[-1]) if table.heads else q
     count, group = queries.shape[:2]
     v_dim = values.shape[-1]
@@ -122,7 +115,7 @@ def table_extend(extend_fwd: Callable, q: torch.Tensor, k: torch.Tensor, v: torc
     ``[tokens, Hq, D]``, ``k`` / ``v`` ``[tokens, Hkv, D]`` (already in the cache too), ``prefix`` from
     ``table_prefix``; ``[tokens, Hq, Dv]`` in the batch's token order."""
     tokens, q_heads = q.shape[:2]
-    keys, values = _one_head_per_cell(k_cache, v_cache, table)
+    keys, values = one_head_per_cell(k_cache, v_cache, table)
     kv_indptr, kv_indices, qo_indptr, longest = prefix
     if table.heads:  # (row, KV head)-major: each (row, KV head) one row of the kernel, one KV head
         heads = table.heads

@@ -194,6 +194,14 @@ class TableCarry:
         self._last = None
 
 
+def one_head_per_cell(k_cache: torch.Tensor, v_cache: torch.Tensor, table: LayerTable) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V buffers ``[cells, H, D]`` as a table's kernel reads them: as they are, or (a per-head table,
+    whose addresses are single heads) as ``[cells * H, 1, D]`` views, one KV head per cell."""
+    if not table.heads:
+        return k_cache, v_cache
+    return k_cache.reshape(-1, 1, k_cache.shape[-1]), v_cache.reshape(-1, 1, v_cache.shape[-1])
+
+
 def table_width(table: LayerTable) -> int:
     """The longest list of a table (its ``cells`` may be wider: a carried table grows in steps)."""
     return max(table.lens_host, default=0) if table.lens_host is not None else table.cells.shape[1]
